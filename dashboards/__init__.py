@@ -1,0 +1,1 @@
+"""slotune's dashboards package (see ../shared/DESIGN.md)."""

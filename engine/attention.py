@@ -1,0 +1,69 @@
+"""Torch attention over the paged KV cache for one flattened variable-length batch.
+
+The batch is laid out decodes first, then prefill chunks. Decode tokens are grouped by context length so that
+each group gathers its keys and values once, padded only to the group's longest context; each prefill chunk
+attends to its sequence's cached context plus itself with a causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DecodeGroup:
+    start: int  # first token (= first decode sequence) of the group in the flattened batch
+    end: int
+    block_tables: torch.Tensor  # [seqs, blocks], padded with block 0
+    mask: torch.Tensor | None  # [seqs, 1, 1, padded context] True where attended; None when no padding
+
+
+@dataclass
+class PrefillChunk:
+    start: int
+    end: int
+    context_len: int  # tokens attended after this chunk: cached context + the chunk itself
+    block_table: torch.Tensor  # [blocks] of the sequence, enough for context_len
+    mask: torch.Tensor | None  # [chunk, context_len] causal mask shifted by the cached context; None if none cached
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [tokens] flat KV slot of every new token
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """query [tokens, heads, dim]; key/value [tokens, kv_heads, dim] (already written to the cache);
+    key_cache/value_cache [blocks, block_size, kv_heads, dim]. Returns [tokens, heads, dim]."""
+    out = torch.empty_like(query)
+    for group in meta.decode_groups:
+        k = _gather(key_cache, group.block_tables)  # [seqs, kv_heads, ctx, dim]
+        v = _gather(value_cache, group.block_tables)
+        q = query[group.start : group.end].unsqueeze(2)  # [seqs, heads, 1, dim]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True)
+        out[group.start : group.end] = o.squeeze(2)
+    for chunk in meta.prefills:
+        q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, heads, chunk, dim]
+        if chunk.mask is None:  # nothing cached before the chunk: attend to the chunk's own keys
+            k = key[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+            v = value[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            k = _gather(key_cache, chunk.block_table.unsqueeze(0))[..., : chunk.context_len, :]
+            v = _gather(value_cache, chunk.block_table.unsqueeze(0))[..., : chunk.context_len, :]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
+        out[chunk.start : chunk.end] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[seqs, blocks] block ids -> [seqs, kv_heads, blocks * block_size, dim]."""
+    blocks = cache[block_tables]  # [seqs, blocks, block_size, kv_heads, dim]
+    seqs, n, bs, heads, dim = blocks.shape
+    return blocks.view(seqs, n * bs, heads, dim).transpose(1, 2)

@@ -1,0 +1,119 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) that runs one flattened variable-length batch over the
+paged KV cache. The math mirrors Hugging Face transformers' implementation so that greedy outputs agree token for
+token; q/k/v and gate/up projections are fused into one matmul each to save passes over the activations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.kv_cache import KVCache
+from engine.model_loader import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [q + k + v outputs, hidden]
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_attention_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+
+        def weight(name: str) -> torch.Tensor:
+            if name not in state:
+                raise KeyError(f"weight {name} is missing from the checkpoint")
+            return state[name].to(device=device, dtype=dtype).contiguous()
+
+        self.embed_tokens = weight("model.embed_tokens.weight")
+        self.final_norm = weight("model.norm.weight")
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else weight("lm_head.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            attn = p + "self_attn."
+            bias = None
+            if config.attention_bias:
+                bias = torch.cat([weight(attn + f"{n}_proj.bias") for n in "qkv"])
+            self.layers.append(LayerWeights(
+                input_norm=weight(p + "input_layernorm.weight"),
+                qkv=torch.cat([weight(attn + f"{n}_proj.weight") for n in "qkv"]).contiguous(),
+                qkv_bias=bias,
+                o_proj=weight(attn + "o_proj.weight"),
+                post_attention_norm=weight(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([weight(p + "mlp.gate_proj.weight"), weight(p + "mlp.up_proj.weight")]).contiguous(),
+                down=weight(p + "mlp.down_proj.weight"),
+            ))
+        head_dim = config.head_dim
+        self.q_size = config.num_attention_heads * head_dim
+        self.kv_size = config.num_key_value_heads * head_dim
+        self.scale = head_dim ** -0.5
+        self.inv_freq = 1.0 / (config.rope_theta ** (
+            torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one forward pass reads (the tied embedding is read once, as the LM head)."""
+        tensors = [self.final_norm, self.lm_head]
+        for layer in self.layers:
+            tensors += [layer.input_norm, layer.qkv, layer.o_proj, layer.post_attention_norm, layer.gate_up,
+                        layer.down]
+            if layer.qkv_bias is not None:
+                tensors.append(layer.qkv_bias)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * x32.to(x.dtype)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+
+    @staticmethod
+    def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: KVCache) -> torch.Tensor:
+        """input_ids, positions: [tokens]. Returns the final hidden states [tokens, hidden] (before the norm)."""
+        cfg = self.config
+        num_tokens = input_ids.shape[0]
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self._rope(positions)
+        for index, layer in enumerate(self.layers):
+            residual = hidden
+            x = self._rms_norm(hidden, layer.input_norm)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self._apply_rope(q.view(num_tokens, cfg.num_attention_heads, cfg.head_dim), cos, sin)
+            k = self._apply_rope(k.view(num_tokens, cfg.num_key_value_heads, cfg.head_dim), cos, sin)
+            v = v.view(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
+            kv_cache.write(index, meta.slot_mapping, k, v)
+            attn = paged_attention(q, k, v, kv_cache.key[index], kv_cache.value[index], meta, self.scale)
+            hidden = residual + F.linear(attn.view(num_tokens, self.q_size), layer.o_proj)
+            residual = hidden
+            x = self._rms_norm(hidden, layer.post_attention_norm)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = residual + F.linear(F.silu(gate) * up, layer.down)
+        return hidden
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._rms_norm(hidden, self.final_norm), self.lm_head).float()

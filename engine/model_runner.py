@@ -1,0 +1,127 @@
+"""Builds one flattened variable-length batch per step (decode tokens and prefill chunks together), runs the
+model over the paged KV cache and samples the next tokens."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from engine.kv_cache import KVCache
+from engine.model import LlamaModel
+from engine.sampler import SamplingRow, sample
+from engine.scheduler import ScheduledSequence, SchedulerOutput
+
+# A decode group is split when its longest context would exceed this multiple of its shortest one,
+# trading the padding of one big gather against the per-group overhead of several small ones.
+DECODE_GROUP_SPREAD = 2.0
+
+
+@dataclass
+class StepTimings:
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, seed: int = 0) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = model.device
+        self.default_generator = torch.Generator(device="cpu").manual_seed(seed)
+
+    def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow]) -> tuple[list[int | None], StepTimings]:
+        """Run one step; returns a sampled token (or None) per entry of `out.scheduled`."""
+        self.kv_cache.swap_out(out.swap_out)
+        self.kv_cache.swap_in(out.swap_in)
+        timings = StepTimings()
+        if not out.scheduled:
+            return [], timings
+        start = time.perf_counter()
+        order, input_ids, positions, meta = self._prepare(out.scheduled)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+        # The last token of every sequence that samples; `ends` are the sequences' positions in the batch.
+        ends: list[int] = []
+        sampling: list[int] = []
+        offset = 0
+        for index in order:
+            item = out.scheduled[index]
+            offset += item.num_tokens
+            if item.samples:
+                ends.append(offset - 1)
+                sampling.append(index)
+        logits = self.model.compute_logits(hidden[torch.tensor(ends, dtype=torch.long, device=self.device)]) \
+            if ends else None
+        timings.forward_s = time.perf_counter() - start
+        start = time.perf_counter()
+        tokens: list[int | None] = [None] * len(out.scheduled)
+        if logits is not None:
+            sampled = sample(logits, [rows[out.scheduled[i].seq.request_id] for i in sampling],
+                             self.default_generator)
+            for index, token in zip(sampling, sampled):
+                tokens[index] = token
+        timings.sample_s = time.perf_counter() - start
+        return tokens, timings
+
+    def _prepare(self, scheduled: list[ScheduledSequence]
+                 ) -> tuple[list[int], torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Lay the batch out as decodes (sorted by context length, in groups) followed by prefill chunks."""
+        bs = self.kv_cache.block_size
+        decodes = sorted((i for i, s in enumerate(scheduled) if not s.is_prefill),
+                         key=lambda i: scheduled[i].seq.num_computed_tokens)
+        prefills = [i for i, s in enumerate(scheduled) if s.is_prefill]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        meta = AttentionMetadata(slot_mapping=torch.empty(0))
+
+        group_start = 0
+        while group_start < len(decodes):
+            shortest = scheduled[decodes[group_start]].seq.num_computed_tokens + 1
+            group_end = group_start
+            while group_end < len(decodes) and \
+                    scheduled[decodes[group_end]].seq.num_computed_tokens + 1 <= DECODE_GROUP_SPREAD * shortest:
+                group_end += 1
+            members = [scheduled[i].seq for i in decodes[group_start:group_end]]
+            context_lens = [seq.num_computed_tokens + 1 for seq in members]
+            num_blocks = -(-max(context_lens) // bs)
+            tables = [seq.block_table[:num_blocks] + [0] * (num_blocks - len(seq.block_table[:num_blocks]))
+                      for seq in members]
+            for seq in members:
+                pos = seq.num_computed_tokens
+                ids.append(seq.token_id(pos))
+                positions.append(pos)
+                slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            mask = None
+            if min(context_lens) != num_blocks * bs:
+                lens = torch.tensor(context_lens, device=self.device)
+                mask = (torch.arange(num_blocks * bs, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+            meta.decode_groups.append(DecodeGroup(
+                start=group_start, end=group_end,
+                block_tables=torch.tensor(tables, dtype=torch.long, device=self.device), mask=mask))
+            group_start = group_end
+
+        for i in prefills:
+            item = scheduled[i]
+            seq = item.seq
+            start = seq.num_computed_tokens
+            end = start + item.num_tokens
+            token_start = len(ids)
+            ids.extend(seq.token_slice(start, end))
+            positions.extend(range(start, end))
+            num_blocks = -(-end // bs)
+            table = torch.tensor(seq.block_table[:num_blocks], dtype=torch.long, device=self.device)
+            chunk_positions = torch.arange(start, end, device=self.device)
+            slots.extend((table[chunk_positions // bs] * bs + chunk_positions % bs).tolist())
+            mask = None
+            if start > 0:
+                mask = torch.arange(end, device=self.device)[None, :] <= chunk_positions[:, None]
+            meta.prefills.append(PrefillChunk(start=token_start, end=len(ids), context_len=end,
+                                              block_table=table, mask=mask))
+
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        position_tensor = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return decodes + prefills, input_ids, position_tensor, meta

@@ -1,0 +1,1 @@
+"""slotune's loadtest package (see ../shared/DESIGN.md)."""

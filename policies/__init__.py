@@ -1,0 +1,1 @@
+"""slotune's policies package (see ../shared/DESIGN.md)."""

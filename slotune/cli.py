@@ -1,0 +1,29 @@
+"""`slotune SUBCOMMAND ...`: dispatches to the package that owns the subcommand, importing only that one
+(the load generator's process must never import the engine, and the engine's must never import locust)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module with a `main(argv)`, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("engine.cli", "generate text offline with the engine and print a per-request timing table"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help") or args[0] not in SUBCOMMANDS:
+        lines = [f"  {name:<10} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+        print("usage: slotune SUBCOMMAND [options]\n\nsubcommands:\n" + "\n".join(lines))
+        if args and args[0] not in ("-h", "--help"):
+            print(f"\nslotune: unknown subcommand {args[0]!r}", file=sys.stderr)
+            return 2
+        return 0
+    module = importlib.import_module(SUBCOMMANDS[args[0]][0])
+    return int(module.main(args[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

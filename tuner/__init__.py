@@ -1,0 +1,1 @@
+"""slotune's tuner package (see ../shared/DESIGN.md)."""
