@@ -95,15 +95,17 @@ class LlamaModel:
         """input_ids, positions: [tokens]. Returns the final hidden states [tokens, hidden] (before the norm)."""
         cfg = self.config
         num_tokens = input_ids.shape[0]
+        num_qk_heads = cfg.num_attention_heads + cfg.num_key_value_heads
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self._rope(positions)
         for index, layer in enumerate(self.layers):
             residual = hidden
             x = self._rms_norm(hidden, layer.input_norm)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self._apply_rope(q.view(num_tokens, cfg.num_attention_heads, cfg.head_dim), cos, sin)
-            k = self._apply_rope(k.view(num_tokens, cfg.num_key_value_heads, cfg.head_dim), cos, sin)
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            # Rotate queries and keys in one pass: they share positions.
+            qk = self._apply_rope(qk.view(num_tokens, num_qk_heads, cfg.head_dim), cos, sin)
+            q, k = qk.split([cfg.num_attention_heads, cfg.num_key_value_heads], dim=1)
             v = v.view(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
             kv_cache.write(index, meta.slot_mapping, k, v)
             attn = paged_attention(q, k, v, kv_cache.key[index], kv_cache.value[index], meta, self.scale)
