@@ -70,7 +70,7 @@ class EngineConfig:
         """A validated copy with `changes` applied and the next generation number; `self` is untouched."""
         _reject_unknown(changes)
         new = dataclasses.replace(self, **changes, generation=self.generation + 1)
-        new.validate(limits)
+        new.validate(limits, changed=set(changes))
         return new
 
     def knobs(self) -> dict[str, Any]:
@@ -98,19 +98,26 @@ class EngineConfig:
         return self.chunk_size if self.chunk_size is not None else self.max_num_batched_tokens
 
     # Validation ----------------------------------------------------------------------------------------------
-    def validate(self, limits: ModelLimits) -> None:
+    def validate(self, limits: ModelLimits, changed: set[str] | None = None) -> None:
+        """Raise ConfigError for the first bad knob. Where two knobs conflict, the error names the one that
+        `changed` says the caller just set."""
+        changed = changed if changed is not None else set(self.knob_names())
         _check_int(self, "max_num_seqs", low=1)
         _check_int(self, "max_num_batched_tokens", low=1)
         budget = self.max_num_batched_tokens
         if self.max_num_seqs > budget:
-            raise ConfigError(
-                "max_num_seqs", self.max_num_seqs,
-                f"must be <= max_num_batched_tokens ({budget}): every running sequence needs a token each step",
-            )
+            if "max_num_seqs" in changed:
+                raise ConfigError("max_num_seqs", self.max_num_seqs,
+                                  f"must be <= max_num_batched_tokens ({budget}): each running sequence needs a "
+                                  "token every step")
+            raise ConfigError("max_num_batched_tokens", budget, f"must be >= max_num_seqs ({self.max_num_seqs})")
         if self.chunk_size is not None:
             _check_int(self, "chunk_size", low=1)
             if self.chunk_size > budget:
-                raise ConfigError("chunk_size", self.chunk_size, f"must be in 1..max_num_batched_tokens ({budget})")
+                if "chunk_size" in changed:
+                    raise ConfigError("chunk_size", self.chunk_size,
+                                      f"must be in 1..max_num_batched_tokens ({budget})")
+                raise ConfigError("max_num_batched_tokens", budget, f"must be >= chunk_size ({self.chunk_size})")
         if isinstance(self.prefill_token_ratio, bool) or not isinstance(self.prefill_token_ratio, (int, float)):
             raise ConfigError("prefill_token_ratio", self.prefill_token_ratio, "must be a number in (0, 1]")
         if not 0.0 < self.prefill_token_ratio <= 1.0:
@@ -130,6 +137,10 @@ class EngineConfig:
         model_len = self.resolved_max_model_len(limits)
         blocks_needed = -(-model_len // self.block_size)
         if self.num_kv_blocks is not None:
+            if self.num_kv_blocks < blocks_needed and "num_kv_blocks" not in changed:
+                knob = "max_model_len" if "max_model_len" in changed else "block_size"
+                raise ConfigError(knob, getattr(self, knob),
+                                  f"needs {blocks_needed} KV blocks but num_kv_blocks is {self.num_kv_blocks}")
             _check_int(self, "num_kv_blocks", low=blocks_needed)
         elif self.resolved_num_kv_blocks(limits) < blocks_needed:
             need = blocks_needed * self.block_size * limits.kv_bytes_per_token

@@ -32,6 +32,7 @@ class ModelRunner:
         self.device = model.device
         self.default_generator = torch.Generator(device="cpu").manual_seed(seed)
 
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow]) -> tuple[list[int | None], StepTimings]:
         """Run one step; returns a sampled token (or None) per entry of `out.scheduled`."""
         self.kv_cache.swap_out(out.swap_out)
