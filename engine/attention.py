@@ -18,7 +18,8 @@ class DecodeGroup:
     start: int  # first token (= first decode sequence) of the group in the flattened batch
     end: int
     block_tables: torch.Tensor  # [seqs, blocks], padded with block 0
-    mask: torch.Tensor | None  # [seqs, 1, 1, padded context] True where attended; None when no padding
+    context_len: int  # the group's longest context; shorter ones are masked
+    mask: torch.Tensor | None  # [seqs, 1, 1, context_len] True where attended; None when all contexts are equal
 
 
 @dataclass
@@ -43,8 +44,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     key_cache/value_cache [blocks, block_size, kv_heads, dim]. Returns [tokens, heads, dim]."""
     out = torch.empty_like(query)
     for group in meta.decode_groups:
-        k = _gather(key_cache, group.block_tables)  # [seqs, kv_heads, ctx, dim]
-        v = _gather(value_cache, group.block_tables)
+        k = _gather(key_cache, group.block_tables)[..., : group.context_len, :]  # [seqs, kv_heads, ctx, dim]
+        v = _gather(value_cache, group.block_tables)[..., : group.context_len, :]
         q = query[group.start : group.end].unsqueeze(2)  # [seqs, heads, 1, dim]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True)
         out[group.start : group.end] = o.squeeze(2)

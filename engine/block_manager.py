@@ -21,7 +21,9 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: int | None = None
-    token_ids: tuple[int, ...] = ()  # kept for cached blocks to rule out hash collisions
+    # Kept for cached blocks to rule out hash collisions: a hit needs the same tokens after the same parent block.
+    token_ids: tuple[int, ...] = ()
+    parent_hash: int | None = None
 
 
 def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -59,6 +61,7 @@ class BlockPool:
             del self._cached[block.block_hash]
             block.block_hash = None
             block.token_ids = ()
+            block.parent_hash = None
         block.ref_count = 1
         return block_id
 
@@ -79,25 +82,32 @@ class BlockPool:
             if block.block_hash is None:
                 self._free.move_to_end(block_id, last=False)
 
-    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> int | None:
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent_hash: int | None) -> int | None:
+        """The cached block with this hash if it holds `token_ids` right after the block hashed `parent_hash`
+        (None: at the start of a sequence); None on a miss or a hash collision."""
         block_id = self._cached.get(block_hash)
-        if block_id is None or self.blocks[block_id].token_ids != token_ids:
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        if block.token_ids != token_ids or block.parent_hash != parent_hash:
             return None
         return block_id
 
-    def register(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
+    def register(self, block_id: int, block_hash: int, token_ids: tuple[int, ...], parent_hash: int | None) -> None:
         """Offer a full block to the prefix cache; an existing entry for the same hash is kept."""
         if block_hash in self._cached:
             return
         block = self.blocks[block_id]
         block.block_hash = block_hash
         block.token_ids = token_ids
+        block.parent_hash = parent_hash
         self._cached[block_hash] = block_id
 
     def reset_prefix_cache(self) -> None:
         for block_id in self._cached.values():
             self.blocks[block_id].block_hash = None
             self.blocks[block_id].token_ids = ()
+            self.blocks[block_id].parent_hash = None
         self._cached.clear()
 
 
@@ -169,7 +179,7 @@ class KVCacheManager:
         for i in range(max_blocks):
             tokens = tuple(seq.token_slice(i * bs, (i + 1) * bs))
             block_hash = chain_hash(parent, tokens)
-            block_id = self.pool.lookup(block_hash, tokens)
+            block_id = self.pool.lookup(block_hash, tokens, parent)
             if block_id is None:
                 break
             match.block_ids.append(block_id)
@@ -189,7 +199,9 @@ class KVCacheManager:
             seq.block_hashes.append(chain_hash(parent, tuple(seq.token_slice(i * bs, (i + 1) * bs))))
         while seq.num_registered_blocks < num_full:
             i = seq.num_registered_blocks
-            self.pool.register(seq.block_table[i], seq.block_hashes[i], tuple(seq.token_slice(i * bs, (i + 1) * bs)))
+            parent = seq.block_hashes[i - 1] if i else None
+            self.pool.register(seq.block_table[i], seq.block_hashes[i], tuple(seq.token_slice(i * bs, (i + 1) * bs)),
+                               parent)
             seq.num_registered_blocks += 1
 
     # Allocation -------------------------------------------------------------------------------------------------

@@ -87,7 +87,8 @@ class ModelRunner:
                 group_end += 1
             members = [scheduled[i].seq for i in decodes[group_start:group_end]]
             context_lens = [seq.num_computed_tokens + 1 for seq in members]
-            num_blocks = -(-max(context_lens) // bs)
+            longest = max(context_lens)
+            num_blocks = -(-longest // bs)
             tables = [seq.block_table[:num_blocks] + [0] * (num_blocks - len(seq.block_table[:num_blocks]))
                       for seq in members]
             for seq in members:
@@ -96,12 +97,13 @@ class ModelRunner:
                 positions.append(pos)
                 slots.append(seq.block_table[pos // bs] * bs + pos % bs)
             mask = None
-            if min(context_lens) != num_blocks * bs:
+            if min(context_lens) != longest:
                 lens = torch.tensor(context_lens, device=self.device)
-                mask = (torch.arange(num_blocks * bs, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+                mask = (torch.arange(longest, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
             meta.decode_groups.append(DecodeGroup(
                 start=group_start, end=group_end,
-                block_tables=torch.tensor(tables, dtype=torch.long, device=self.device), mask=mask))
+                block_tables=torch.tensor(tables, dtype=torch.long, device=self.device), context_len=longest,
+                mask=mask))
             group_start = group_end
 
         for i in prefills:

@@ -192,6 +192,8 @@ class Scheduler:
 
         # 1. Running sequences, oldest (highest priority) first; victims come from the end.
         running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+        while len(running) > cfg.max_num_seqs:  # a lowered max_num_seqs holds from this step on
+            self._preempt(running.pop(), out)
         i = 0
         while i < len(running):
             seq = running[i]
@@ -225,8 +227,8 @@ class Scheduler:
             elif not self._admit(self.preempted, tokens_for, take, out):
                 break
 
-        # 3. New sequences.
-        while budget > 0 and len(self.running) < cfg.max_num_seqs and len(self.waiting):
+        # 3. New sequences, only once no preempted one is left waiting to come back.
+        while budget > 0 and len(self.running) < cfg.max_num_seqs and len(self.waiting) and not len(self.preempted):
             if not self._admit(self.waiting, tokens_for, take, out):
                 break
         return out

@@ -9,6 +9,8 @@ import sys
 # subcommand -> (module with a `main(argv)`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("engine.cli", "generate text offline with the engine and print a per-request timing table"),
+    "serve": ("engine.serve_cli", "serve the engine over an OpenAI-compatible HTTP API with metrics and live knobs"),
+    "loadtest": ("loadtest.cli", "replay a workload open-loop against a server with Locust; write records and summary"),
 }
 
 

@@ -1,0 +1,588 @@
+#!/usr/bin/env python
+"""Output tokens/s of slotune's engine against transformers, and its batch-1 decode step against the memory bound.
+
+One process runs, one after another and each warmed up first, on the same model (fp32, CPU, `--threads` threads):
+
+  (a) slotune's engine: `LLM(...).generate` over the whole workload (continuous batching);
+  (b) transformers static batching: `model.generate` on left-padded batches of `--static-batch-size` requests taken
+      in arrival order; every batch runs until its longest request is done (`min_new_tokens = max_new_tokens =` the
+      batch's longest output), and only the tokens each request asked for count as output;
+  (c) transformers' own continuous batching: a `ContinuousBatchingManager` (`model.init_continuous_batching`) with
+      the "sdpa" paged-attention implementation (the one that runs on CPU), given the engine's limits (requests per
+      batch, tokens per batch, KV memory), each request with its own `max_new_tokens` and EOS disabled;
+  (d) the engine's batch-1 decode step (median `total_s` of the decode steps of a lone request) against the
+      memory-bandwidth bound: weight bytes one forward pass reads / read bandwidth measured in this run
+      (best of several `torch.sum` passes over a ~1 GiB fp32 tensor, on the same threads).
+
+The workload: `--num-requests` requests (seeded), short / medium / long in 6:3:1 (exact counts, shuffled), prompts of
+random token ids of exact length, outputs of exact length (EOS ignored), so every system produces the same tokens
+count. Lengths (prompt / output, uniform, inclusive): short 16-64 / 16-64, medium 128-256 / 64-128,
+long 512-1024 / 128-256. `--quick` shrinks the workload (16 requests, lengths x 1/4) for a smoke test.
+
+    python benchmarks/engine_throughput.py --out results/engine_throughput.json
+    python benchmarks/engine_throughput.py --quick --out /tmp/quick.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# Lengths per class: (prompt_min, prompt_max, output_min, output_max), before `--length-scale`.
+CLASSES: dict[str, tuple[int, int, int, int]] = {
+    "short": (16, 64, 16, 64),
+    "medium": (128, 256, 64, 128),
+    "long": (512, 1024, 128, 256),
+}
+MIX = {"short": 6, "medium": 3, "long": 1}
+# Random prompt tokens are drawn above the tokenizer's special tokens (SmolLM2: ids 0-16).
+FIRST_PLAIN_TOKEN = 100
+TARGETS = {"engine_vs_static": 3.0, "engine_vs_hf_cb": 2.0, "batch1_step_vs_bound": 1.3}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="a Hugging Face model folder; default: the engine's default model")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (also OMP/MKL threads); default 2")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--length-scale", type=float, default=1.0, help="multiplies every length bound")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="smoke test: 16 requests, lengths x 1/4")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per system (medians are reported)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="engine max_num_seqs = HF max_requests_per_batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="engine max_num_batched_tokens = HF max_batch_tokens")
+    p.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="KV memory of both continuous batchers")
+    p.add_argument("--block-size", type=int, default=16, help="engine block_size")
+    p.add_argument("--static-batch-size", type=int, default=16, help="requests per transformers static batch")
+    p.add_argument("--hf-page-size", type=int, default=None,
+                   help="page size of transformers' paged cache; default: transformers' own default (256)")
+    p.add_argument("--batch1-prompt", type=int, default=128, help="prompt length of the batch-1 decode run")
+    p.add_argument("--batch1-tokens", type=int, default=128, help="decode steps of each batch-1 run")
+    p.add_argument("--batch1-repeats", type=int, default=3)
+    p.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the bandwidth-test tensor")
+    p.add_argument("--bandwidth-passes", type=int, default=10)
+    p.add_argument("--skip", nargs="*", default=[], choices=["engine", "static", "hf_cb", "batch1"],
+                   help="systems to leave out")
+    p.add_argument("--out", type=Path, default=Path("engine_throughput.json"), help="where the JSON result goes")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_requests = min(args.num_requests, 16)
+        args.length_scale = 0.25 if args.length_scale == 1.0 else args.length_scale
+        args.batch1_tokens = min(args.batch1_tokens, 48)
+        args.batch1_repeats = min(args.batch1_repeats, 2)
+        args.bandwidth_passes = min(args.bandwidth_passes, 5)
+    return args
+
+
+# Workload --------------------------------------------------------------------------------------------------------
+@dataclass
+class Request:
+    index: int
+    kind: str
+    prompt: list[int]
+    output_len: int
+
+
+def class_counts(n: int) -> dict[str, int]:
+    """Exact 6:3:1 counts for n requests (largest remainder)."""
+    total = sum(MIX.values())
+    raw = {k: n * w / total for k, w in MIX.items()}
+    counts = {k: int(v) for k, v in raw.items()}
+    for k in sorted(raw, key=lambda k: raw[k] - counts[k], reverse=True)[: n - sum(counts.values())]:
+        counts[k] += 1
+    return counts
+
+
+def class_bounds(scale: float) -> dict[str, tuple[int, int, int, int]]:
+    return {k: tuple(max(1, round(v * scale)) for v in b) for k, b in CLASSES.items()}  # type: ignore[misc]
+
+
+def make_workload(n: int, seed: int, scale: float, vocab_size: int) -> list[Request]:
+    rng = random.Random(seed)
+    kinds = [k for k, c in class_counts(n).items() for _ in range(c)]
+    rng.shuffle(kinds)
+    bounds = class_bounds(scale)
+    requests = []
+    for i, kind in enumerate(kinds):
+        p_lo, p_hi, o_lo, o_hi = bounds[kind]
+        prompt_len = rng.randint(p_lo, p_hi)
+        requests.append(Request(i, kind, [rng.randrange(FIRST_PLAIN_TOKEN, vocab_size) for _ in range(prompt_len)],
+                                rng.randint(o_lo, o_hi)))
+    return requests
+
+
+def warmup_workload(vocab_size: int, seed: int) -> list[Request]:
+    """A few requests of every class (other prompts than the measured ones, so no prefix cache hits carry over)."""
+    return make_workload(6, seed + 10_000, 0.25, vocab_size)
+
+
+def describe_workload(requests: list[Request], scale: float) -> dict[str, Any]:
+    by_kind = {}
+    for kind in CLASSES:
+        rs = [r for r in requests if r.kind == kind]
+        by_kind[kind] = {
+            "count": len(rs),
+            "bounds_prompt": list(class_bounds(scale)[kind][:2]),
+            "bounds_output": list(class_bounds(scale)[kind][2:]),
+            "prompt_tokens": sum(len(r.prompt) for r in rs),
+            "output_tokens": sum(r.output_len for r in rs),
+        }
+    return {
+        "num_requests": len(requests),
+        "mix": MIX,
+        "length_scale": scale,
+        "classes": by_kind,
+        "prompt_tokens": sum(len(r.prompt) for r in requests),
+        "output_tokens": sum(r.output_len for r in requests),
+        "requests": [{"kind": r.kind, "prompt_len": len(r.prompt), "output_len": r.output_len} for r in requests],
+    }
+
+
+# Measurements ----------------------------------------------------------------------------------------------------
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def measure_bandwidth(torch: Any, gib: float, passes: int) -> dict[str, Any]:
+    """Read bandwidth (bytes/s): best of `passes` torch.sum over a `gib` GiB fp32 tensor."""
+    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    nbytes = x.numel() * 4
+    times = []
+    for _ in range(passes + 1):  # the first pass only warms up
+        start = time.perf_counter()
+        torch.sum(x)
+        times.append(time.perf_counter() - start)
+    times = times[1:]
+    del x
+    best = min(times)
+    return {"tensor_bytes": nbytes, "passes": passes, "best_s": best, "median_s": median(times),
+            "bytes_per_s": nbytes / best, "gb_per_s": nbytes / best / 1e9,
+            "median_gb_per_s": nbytes / median(times) / 1e9}
+
+
+def threads_seen_by_new_thread(torch: Any) -> int:
+    """torch's thread count inside a fresh Python thread (transformers' batching loop runs in one)."""
+    seen: list[int] = []
+    t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    return seen[0]
+
+
+def run_engine(args: argparse.Namespace, requests: list[Request], warm: list[Request]) -> tuple[dict[str, Any], Any]:
+    from engine import LLM, SamplingParams
+
+    def params(r: Request) -> SamplingParams:
+        return SamplingParams(max_tokens=r.output_len, min_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+
+    llm = LLM(model=args.model, dtype="float32", max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+              kv_cache_bytes=args.kv_cache_bytes)
+    llm.generate([r.prompt for r in warm], [params(r) for r in warm])
+    runs = []
+    outputs = None
+    for _ in range(args.repeats):
+        # Forget the prefix cache, so a repeat does not reuse the previous run's prompt blocks.
+        llm.update_config(enable_prefix_caching=False)
+        llm.update_config(enable_prefix_caching=True)
+        last = llm.step_records()[-1].step if llm.step_records() else -1
+        start = time.perf_counter()
+        outs = llm.generate([r.prompt for r in requests], [params(r) for r in requests])
+        wall = time.perf_counter() - start
+        got = [len(o.token_ids) for o in outs]
+        want = [r.output_len for r in requests]
+        if got != want:
+            raise RuntimeError(f"engine produced {sum(got)} tokens, expected {sum(want)}")
+        records = llm.step_records(last)
+        decode_steps = [rec for rec in records if rec.num_prefill_tokens == 0]
+        runs.append({
+            "wall_s": wall, "output_tokens": sum(got), "tokens_per_s": sum(got) / wall,
+            "steps": len(records), "decode_only_steps": len(decode_steps),
+            "mean_tokens_per_step": statistics.fmean(rec.num_tokens for rec in records) if records else 0,
+            "max_running": max((rec.num_running for rec in records), default=0),
+            "preemptions": sum(rec.num_preemptions for rec in records),
+            "prefix_cache_hit_tokens": sum(rec.prefix_cache_hit_tokens for rec in records),
+            "sum_forward_s": sum(rec.forward_s for rec in records),
+            "sum_sample_s": sum(rec.sample_s for rec in records),
+            "sum_schedule_s": sum(rec.schedule_s for rec in records),
+            "sum_total_s": sum(rec.total_s for rec in records),
+        })
+        outputs = [list(o.token_ids) for o in outs]
+    result = summarize_runs(runs)
+    result["config"] = {k: v for k, v in llm.config.knobs().items()}
+    result["weight_bytes"] = llm.engine.model.weight_bytes()
+    return {"result": result, "outputs": outputs}, llm
+
+
+def run_batch1(args: argparse.Namespace, llm: Any, vocab_size: int) -> dict[str, Any]:
+    """Decode steps of a lone request: median total_s (and forward_s) over all runs."""
+    from engine import SamplingParams
+
+    rng = random.Random(args.seed + 20_000)
+    steps_total: list[float] = []
+    steps_forward: list[float] = []
+    per_run = []
+    n = args.batch1_tokens + 1  # the first token comes from the prefill step
+    for rep in range(args.batch1_repeats + 1):  # the first run warms up
+        llm.update_config(enable_prefix_caching=False)
+        llm.update_config(enable_prefix_caching=True)
+        prompt = [rng.randrange(FIRST_PLAIN_TOKEN, vocab_size) for _ in range(args.batch1_prompt)]
+        last = llm.step_records()[-1].step if llm.step_records() else -1
+        llm.generate([prompt], SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True))
+        decode = [r for r in llm.step_records(last)
+                  if r.num_prefill_tokens == 0 and r.num_decode_tokens == 1]
+        if rep == 0:
+            continue
+        totals = [r.total_s for r in decode]
+        steps_total += totals
+        steps_forward += [r.forward_s for r in decode]
+        per_run.append(median(totals))
+    return {
+        "prompt_tokens": args.batch1_prompt, "decode_steps_per_run": args.batch1_tokens,
+        "runs": args.batch1_repeats, "median_total_s": median(steps_total), "median_forward_s": median(steps_forward),
+        "p10_total_s": quantile(steps_total, 0.10), "p90_total_s": quantile(steps_total, 0.90),
+        "per_run_median_total_s": per_run,
+    }
+
+
+def quantile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def load_hf_model(args: argparse.Namespace, model_dir: Path, torch: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval()
+
+
+def run_static(args: argparse.Namespace, model: Any, requests: list[Request], warm: list[Request],
+               pad_id: int, torch: Any) -> dict[str, Any]:
+    B = args.static_batch_size
+
+    def run_batch(batch: list[Request]) -> tuple[list[list[int]], int]:
+        width = max(len(r.prompt) for r in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, r in enumerate(batch):  # left padding
+            ids[row, width - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[row, width - len(r.prompt):] = 1
+        steps = max(r.output_len for r in batch)  # the batch waits for its longest request
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                                 do_sample=False, pad_token_id=pad_id)
+        new = out[:, width:]
+        if new.shape[1] != steps:
+            raise RuntimeError(f"static batch produced {new.shape[1]} tokens per row, expected {steps}")
+        return [new[row, : r.output_len].tolist() for row, r in enumerate(batch)], steps * len(batch)
+
+    run_batch(warm[:B])
+    runs = []
+    outputs: list[list[int]] = []
+    for _ in range(args.repeats):
+        outputs = []
+        generated = 0
+        start = time.perf_counter()
+        for i in range(0, len(requests), B):
+            outs, gen = run_batch(requests[i : i + B])
+            outputs += outs
+            generated += gen
+        wall = time.perf_counter() - start
+        useful = sum(r.output_len for r in requests)
+        runs.append({"wall_s": wall, "output_tokens": useful, "tokens_per_s": useful / wall,
+                     "generated_tokens_incl_padding": generated, "batches": math.ceil(len(requests) / B)})
+    result = summarize_runs(runs)
+    result["config"] = {"batch_size": B, "order": "arrival", "padding": "left", "attn_implementation": "sdpa"}
+    return {"result": result, "outputs": outputs}
+
+
+def run_hf_cb(args: argparse.Namespace, model: Any, requests: list[Request], warm: list[Request],
+              torch: Any) -> dict[str, Any]:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    text_cfg = model.config.get_text_config()
+    head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+    kv_bytes_per_token = 2 * text_cfg.num_hidden_layers * text_cfg.num_key_value_heads * head_dim * 4
+    cb_kwargs: dict[str, Any] = {}
+    if args.hf_page_size is not None:
+        cb_kwargs["page_size"] = args.hf_page_size
+    page_size = cb_kwargs.get("page_size", ContinuousBatchingConfig.page_size)
+    num_blocks = max(1, args.kv_cache_bytes // (kv_bytes_per_token * page_size))
+    gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(r.output_len for r in requests),
+                                  eos_token_id=-1, pad_token_id=model.generation_config.pad_token_id)
+    cb_config = ContinuousBatchingConfig(
+        num_blocks=num_blocks, max_batch_tokens=args.max_num_batched_tokens,
+        max_requests_per_batch=args.max_num_seqs, use_cuda_graph=False, default_compile_level=0, **cb_kwargs)
+    hints = WorkloadHints(max_prompt_length=max(len(r.prompt) for r in requests),
+                          max_generated_length=max(r.output_len for r in requests), num_requests=len(requests))
+
+    def submit_and_wait(manager: Any, reqs: list[Request], tag: str) -> dict[str, list[int]]:
+        ids = {}
+        for r in reqs:
+            rid = f"{tag}-{r.index}"
+            manager.add_request(r.prompt, request_id=rid, max_new_tokens=r.output_len, eos_token_id=-1)
+            ids[rid] = r
+        results: dict[str, list[int]] = {}
+        deadline = time.monotonic() + 3600
+        while len(results) < len(ids):
+            res = manager.get_result(timeout=1)
+            if res is None:
+                if not manager.is_running() or time.monotonic() > deadline:
+                    raise RuntimeError("transformers' continuous batching stopped before finishing")
+                continue
+            if res.error is not None:
+                raise RuntimeError(f"transformers' continuous batching failed a request: {res.error}")
+            if res.is_finished() and res.request_id in ids:
+                results[res.request_id] = list(res.generated_tokens)
+        return {rid: results[rid] for rid in ids}
+
+    runs = []
+    outputs: list[list[int]] = []
+    resolved: Any = None
+    for rep in range(args.repeats):
+        # A fresh manager (and paged cache) per repeat, so no prefix blocks carry over; warmed up before timing.
+        manager = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config,
+                                                 workload_hints=hints)
+        with torch.inference_mode():
+            manager.start()
+            try:
+                submit_and_wait(manager, warm, f"warm{rep}")
+                start = time.perf_counter()
+                res = submit_and_wait(manager, requests, f"run{rep}")
+                wall = time.perf_counter() - start
+            finally:
+                manager.stop(block=True, timeout=60)
+                resolved = manager.continuous_batching_config
+                manager.destroy()
+        outputs = list(res.values())
+        got = [len(o) for o in outputs]
+        want = [r.output_len for r in requests]
+        if got != want:
+            raise RuntimeError(f"transformers CB produced {sum(got)} tokens, expected {sum(want)}")
+        runs.append({"wall_s": wall, "output_tokens": sum(got), "tokens_per_s": sum(got) / wall})
+    result = summarize_runs(runs)
+    result["config"] = {
+        "api": "model.init_continuous_batching(...) -> ContinuousBatchingManager; start(); add_request(ids, "
+               "max_new_tokens=n, eos_token_id=-1) per request; get_result(); stop()",
+        "attn_implementation": model.config._attn_implementation,
+        "page_size": resolved.page_size, "num_blocks": resolved.num_blocks,
+        "max_batch_tokens": resolved.max_batch_tokens, "max_requests_per_batch": resolved.max_requests_per_batch,
+        "allow_block_sharing": resolved.allow_block_sharing, "use_cuda_graph": list(resolved.use_cuda_graph),
+        "use_async_batching": resolved.use_async_batching, "scheduler_type": resolved.scheduler_type,
+        "compile": resolved.varlen_compile_config is not None,
+    }
+    return {"result": result, "outputs": outputs}
+
+
+def hf_batch1_step(model: Any, prompt_len: int, tokens: int, vocab_size: int, seed: int, pad_id: int,
+                   torch: Any) -> float:
+    """transformers' own batch-1 decode step, for reference: (t(1 + tokens) - t(1)) / tokens, best of 2."""
+    rng = random.Random(seed)
+    ids = torch.tensor([[rng.randrange(FIRST_PLAIN_TOKEN, vocab_size) for _ in range(prompt_len)]])
+
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=pad_id)
+        return time.perf_counter() - start
+
+    timed(4)
+    best = min((timed(1 + tokens) - timed(1)) / tokens for _ in range(2))
+    return best
+
+
+def summarize_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"runs": runs, "tokens_per_s": median([r["tokens_per_s"] for r in runs]),
+            "wall_s": median([r["wall_s"] for r in runs]), "output_tokens": runs[0]["output_tokens"]}
+
+
+def agreement(a: list[list[int]] | None, b: list[list[int]] | None) -> float | None:
+    """Share of requests whose greedy outputs are identical (informational: batching changes fp32 rounding)."""
+    if not a or not b:
+        return None
+    return sum(x == y for x, y in zip(a, b)) / len(a)
+
+
+# Report ----------------------------------------------------------------------------------------------------------
+def fmt(x: Any, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    s = report["systems"]
+    r = report["ratios"]
+    w = report["workload"]
+    lines = [
+        f"Workload: {w['num_requests']} requests (short/medium/long "
+        + "/".join(str(w["classes"][k]["count"]) for k in CLASSES)
+        + f"), {w['prompt_tokens']} prompt tokens, {w['output_tokens']} output tokens; "
+        f"{report['env']['threads']} threads, fp32, repeats={report['args']['repeats']}",
+        "",
+        "| system | output tok/s | wall s | engine / system | target |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    names = [("engine", "slotune engine (continuous batching)", None, None),
+             ("static", f"transformers static batching (B={report['args']['static_batch_size']})",
+              "engine_vs_static", TARGETS["engine_vs_static"]),
+             ("hf_cb", "transformers continuous batching", "engine_vs_hf_cb", TARGETS["engine_vs_hf_cb"])]
+    for key, label, ratio, target in names:
+        if key not in s:
+            continue
+        lines.append(f"| {label} | {fmt(s[key]['tokens_per_s'])} | {fmt(s[key]['wall_s'], 2)} | "
+                     f"{fmt(r.get(ratio), 2) + 'x' if ratio and r.get(ratio) else '—'} | "
+                     f"{'>= ' + fmt(target, 1) + 'x' if target else '—'} |")
+    b = report.get("batch1")
+    if b:
+        lines += [
+            "",
+            "| batch-1 decode | value |",
+            "|---|---:|",
+            f"| read bandwidth (best torch.sum, {report['env']['threads']} threads) | {fmt(b['bandwidth_gb_per_s'], 2)} GB/s |",
+            f"| weight bytes per forward | {b['weight_bytes'] / 1e6:.1f} MB |",
+            f"| memory-bandwidth bound | {fmt(b['bound_s'] * 1e3, 2)} ms |",
+            f"| engine batch-1 step (median total_s) | {fmt(b['median_total_s'] * 1e3, 2)} ms |",
+            f"| engine batch-1 forward (median forward_s) | {fmt(b['median_forward_s'] * 1e3, 2)} ms |",
+            f"| transformers batch-1 step (reference) | {fmt((b.get('hf_step_s') or float('nan')) * 1e3, 2)} ms |",
+            f"| step / bound | {fmt(r.get('batch1_step_vs_bound'), 2)}x (target <= {TARGETS['batch1_step_vs_bound']}x) |",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Before torch loads: threads that torch starts later (transformers' batching thread) must see the same count.
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(args.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    from engine.model_loader import resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model)
+    config = json.loads((model_dir / "config.json").read_text())
+    vocab_size = int(config["vocab_size"])
+    requests = make_workload(args.num_requests, args.seed, args.length_scale, vocab_size)
+    warm = warmup_workload(vocab_size, args.seed)
+
+    def log(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    env = {
+        "threads": args.threads, "torch_threads": torch.get_num_threads(),
+        "torch_threads_in_new_thread": threads_seen_by_new_thread(torch),
+        "cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__, "transformers": transformers.__version__, "model_dir": str(model_dir),
+        "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    report: dict[str, Any] = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                              "env": env, "workload": describe_workload(requests, args.length_scale),
+                              "systems": {}, "ratios": {}, "targets": TARGETS}
+    outputs: dict[str, Any] = {}
+
+    log("measuring read bandwidth")
+    bw = [measure_bandwidth(torch, args.bandwidth_gib, args.bandwidth_passes)]
+
+    llm = None
+    if "engine" not in args.skip or "batch1" not in args.skip:
+        log("engine: loading")
+        if "engine" not in args.skip:
+            log("engine: warm-up and timed run")
+            res, llm = run_engine(args, requests, warm)
+            report["systems"]["engine"] = res["result"]
+            outputs["engine"] = res["outputs"]
+            log(f"engine: {res['result']['tokens_per_s']:.1f} tok/s")
+        if "batch1" not in args.skip:
+            if llm is None:
+                from engine import LLM
+
+                llm = LLM(model=args.model, dtype="float32", max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                          kv_cache_bytes=args.kv_cache_bytes)
+            log("batch-1 decode steps")
+            batch1 = run_batch1(args, llm, vocab_size)
+            bw.append(measure_bandwidth(torch, args.bandwidth_gib, args.bandwidth_passes))
+            best_bw = max(b["bytes_per_s"] for b in bw)
+            weight_bytes = llm.engine.model.weight_bytes()
+            batch1.update({"weight_bytes": weight_bytes, "bandwidth_gb_per_s": best_bw / 1e9,
+                           "bound_s": weight_bytes / best_bw})
+            report["batch1"] = batch1
+            report["ratios"]["batch1_step_vs_bound"] = batch1["median_total_s"] / batch1["bound_s"]
+            report["ratios"]["batch1_forward_vs_bound"] = batch1["median_forward_s"] / batch1["bound_s"]
+        pad_id = llm.engine.tokenizer.pad_token_id
+        if pad_id is None:
+            pad_id = config.get("pad_token_id") or 0
+        del llm
+    else:
+        pad_id = config.get("pad_token_id") or 0
+    report["bandwidth"] = bw
+
+    if "static" not in args.skip or "hf_cb" not in args.skip or "batch1" not in args.skip:
+        log("transformers: loading")
+        model = load_hf_model(args, model_dir, torch)
+        if "batch1" not in args.skip:
+            log("transformers batch-1 reference step")
+            report["batch1"]["hf_step_s"] = hf_batch1_step(
+                model, args.batch1_prompt, min(args.batch1_tokens, 32), vocab_size, args.seed, pad_id, torch)
+        if "static" not in args.skip:
+            log(f"transformers static batching (B={args.static_batch_size}): warm-up and timed run")
+            res = run_static(args, model, requests, warm, pad_id, torch)
+            report["systems"]["static"] = res["result"]
+            outputs["static"] = res["outputs"]
+            log(f"static: {res['result']['tokens_per_s']:.1f} tok/s")
+        if "hf_cb" not in args.skip:
+            log("transformers continuous batching: warm-up and timed run")
+            res = run_hf_cb(args, model, requests, warm, torch)
+            report["systems"]["hf_cb"] = res["result"]
+            outputs["hf_cb"] = res["outputs"]
+            log(f"hf_cb: {res['result']['tokens_per_s']:.1f} tok/s")
+
+    systems = report["systems"]
+    if "engine" in systems:
+        for key, ratio in (("static", "engine_vs_static"), ("hf_cb", "engine_vs_hf_cb")):
+            if key in systems:
+                report["ratios"][ratio] = systems["engine"]["tokens_per_s"] / systems[key]["tokens_per_s"]
+    report["meets_targets"] = {
+        k: (v >= TARGETS[k] if k.startswith("engine") else v <= TARGETS[k])
+        for k, v in report["ratios"].items() if k in TARGETS
+    }
+    report["identical_outputs_share"] = {
+        "engine_vs_static": agreement(outputs.get("engine"), outputs.get("static")),
+        "engine_vs_hf_cb": agreement(outputs.get("engine"), outputs.get("hf_cb")),
+    }
+    env["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+    table = markdown(report)
+    report["markdown"] = table
+    print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The server's Prometheus metrics (names fixed in DESIGN.md, "Metrics").
+
+Latency histograms are observed by the engine thread where tokens are produced; gauges and the counters that
+mirror the engine's own totals (tokens, preemptions, prefix cache, finished requests) are read from the latest
+`EngineSnapshot` at scrape time, so they agree exactly with the engine and never double count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from engine.step_record import StepRecord
+
+if TYPE_CHECKING:
+    from engine.async_engine import EngineSnapshot
+
+__all__ = ["CONTENT_TYPE_LATEST", "LATENCY_BUCKETS", "TOKEN_BUCKETS", "ServerMetrics", "knob_values"]
+
+# Fine below 100 ms, so a 50 ms SLO can be read from histogram_quantile.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1,
+                   0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+# Knobs whose values are names: exported as the index into these tuples.
+ENUM_KNOBS = {"preemption_mode": ("recompute", "swap"), "scheduling_policy": ("fcfs", "priority")}
+
+
+def knob_values(snapshot: EngineSnapshot) -> dict[str, float]:
+    """Every knob as a number, with 'auto' values resolved (what the engine actually uses)."""
+    config, limits = snapshot.config, snapshot.limits
+    values: dict[str, float] = {}
+    for name, value in config.knobs().items():
+        if name in ENUM_KNOBS:
+            values[name] = float(ENUM_KNOBS[name].index(value)) if value in ENUM_KNOBS[name] else -1.0
+        elif isinstance(value, bool):
+            values[name] = 1.0 if value else 0.0
+        elif value is not None:
+            values[name] = float(value)
+    values["chunk_size"] = float(config.max_chunk())
+    values["num_kv_blocks"] = float(config.resolved_num_kv_blocks(limits))
+    values["max_model_len"] = float(config.resolved_max_model_len(limits))
+    return values
+
+
+class _SnapshotCollector:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._snapshot()
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, value=value)
+
+        yield gauge("slotune_num_requests_running", "Requests in the running set.", s.num_running)
+        yield gauge("slotune_num_requests_waiting", "Requests waiting for their first admission.", s.num_waiting)
+        yield gauge("slotune_num_requests_preempted", "Requests preempted and waiting to resume.", s.num_preempted)
+        yield gauge("slotune_kv_cache_usage_ratio", "Share of KV blocks in use (0..1).", s.kv_cache_usage)
+        yield gauge("slotune_kv_cache_blocks_used", "KV blocks in use.", s.kv_blocks_used)
+        yield gauge("slotune_kv_cache_blocks_free", "KV blocks free (including evictable cached ones).",
+                    s.kv_blocks_free)
+        yield counter("slotune_preemptions", "Preemptions since start.", s.preemptions)
+        yield counter("slotune_prompt_tokens", "Prompt tokens of requests that produced a first token.",
+                      s.prompt_tokens)
+        yield counter("slotune_generation_tokens", "Generated tokens.", s.generation_tokens)
+        yield counter("slotune_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)
+        yield counter("slotune_prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        finished = CounterMetricFamily("slotune_request_success", "Finished requests by reason (stop, length, "
+                                       "abort).", labels=["finished_reason"])
+        for reason in sorted(set(s.requests_finished) | {"stop", "length", "abort"}):
+            finished.add_metric([reason], s.requests_finished.get(reason, 0))
+        yield finished
+        yield gauge("slotune_config_generation", "Generation number of the applied engine config.",
+                    s.config.generation)
+        knobs = GaugeMetricFamily("slotune_knob", "Applied knob values ('auto' resolved; preemption_mode: "
+                                  "0 recompute, 1 swap; scheduling_policy: 0 fcfs, 1 priority; booleans 0/1).",
+                                  labels=["name"])
+        for name, value in knob_values(s).items():
+            knobs.add_metric([name], value)
+        yield knobs
+        yield gauge("slotune_max_model_len", "Longest prompt + output a request may have.", s.max_model_len)
+
+
+class ServerMetrics:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], registry: CollectorRegistry | None = None) -> None:
+        disable_created_metrics()  # no `_created` series (as vLLM): they double the scrape for nothing
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
+        r = self.registry
+
+        def latency(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.ttft = latency("slotune_time_to_first_token_seconds",
+                            "Arrival of the HTTP request to its first generated token.")
+        self.itl = latency("slotune_inter_token_latency_seconds",
+                           "Gap between two consecutive generated tokens of one request.")
+        self.e2e = latency("slotune_e2e_request_latency_seconds",
+                           "Arrival to the last token, for requests finished on stop or length.")
+        self.queue_time = latency("slotune_request_queue_time_seconds",
+                                  "Arrival to the start of the step that first scheduled the request.")
+        self.step_duration = latency("slotune_step_duration_seconds", "Wall time of one engine step.")
+        self.step_tokens = Histogram("slotune_step_tokens", "Tokens one step computed, by phase (a step without "
+                                     "tokens of a phase is not counted for it).", ["phase"],
+                                     buckets=TOKEN_BUCKETS, registry=r)
+        self._prefill_tokens = self.step_tokens.labels(phase="prefill")
+        self._decode_tokens = self.step_tokens.labels(phase="decode")
+        self.config_changes = Counter("slotune_config_updates", "Live config updates applied.", registry=r)
+        self.http_responses = Counter("slotune_http_responses", "HTTP responses by path and status code.",
+                                      ["path", "code"], registry=r)
+        r.register(_SnapshotCollector(snapshot))  # type: ignore[arg-type]
+
+    def observe_step(self, record: StepRecord) -> None:
+        self.step_duration.observe(record.total_s)
+        if record.num_prefill_tokens:
+            self._prefill_tokens.observe(record.num_prefill_tokens)
+        if record.num_decode_tokens:
+            self._decode_tokens.observe(record.num_decode_tokens)
+
+    def config_changed(self) -> None:
+        self.config_changes.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

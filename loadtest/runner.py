@@ -1,0 +1,154 @@
+"""Runs a load test in Locust processes of its own, headless, and returns the summary.
+
+This module does not import locust (nor gevent): it starts ``python -m locust -f loadtest/locustfile.py``
+(one local process, or a master and N workers on this machine), relays the master's progress lines, waits for
+``summary.json`` and ``records.parquet`` to appear in the output directory, and cleans up the processes.
+The tuner may call :func:`run_loadtest` directly, or run ``slotune loadtest`` as a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from typing import Callable
+
+from loadtest.config import OPTIONS, LoadConfig, to_argv
+from loadtest.schedule import build_schedule
+
+LOCUSTFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "locustfile.py")
+STARTUP_ALLOWANCE_S = 60.0  # Locust start-up, workers connecting, the plan going out
+
+
+class LoadTestError(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in {o.env for o in OPTIONS}}  # flags only, no surprises
+    env.update(SLOTUNE_PROGRESS="json", PYTHONUNBUFFERED="1")
+    return env
+
+
+def locust_commands(cfg: LoadConfig, workers: int, port: int | None = None) -> tuple[list[str], list[list[str]]]:
+    """The master (or single local process) command line and the worker command lines."""
+    base = [sys.executable, "-m", "locust", "-f", LOCUSTFILE, "--exit-code-on-error", "0", "--loglevel", "INFO"]
+    main = base + ["--headless", "--only-summary", "-u", "1", "-r", "1", "--host", cfg.url, *to_argv(cfg)]
+    if workers <= 1:
+        return main, []
+    port = port or _free_port()
+    main += ["--master", "--expect-workers", str(workers), "--master-bind-host", "127.0.0.1",
+             "--master-bind-port", str(port)]
+    worker = base + ["--worker", "--master-host", "127.0.0.1", "--master-port", str(port)]
+    return main, [list(worker) for _ in range(workers)]
+
+
+def _stop(proc: subprocess.Popen, grace: float) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+    except ProcessLookupError:
+        pass
+
+
+def run_loadtest(cfg: LoadConfig, workers: int = 1, on_progress: Callable[[dict], None] | None = None,
+                 timeout: float | None = None) -> dict:
+    """Run the load test described by ``cfg`` with ``workers`` load processes; return the summary dict.
+
+    Writes ``<out>/records.parquet`` (or ``.csv``), ``<out>/summary.json`` and the Locust logs
+    (``<out>/locust*.log``). Raises LoadTestError when no summary was produced."""
+    if workers < 1:
+        raise ValueError("workers must be >= 1")
+    schedule = build_schedule(cfg)  # fail early on bad options, and size the timeout
+    out = cfg.out or os.path.join("loadtest-results", time.strftime("%Y%m%d-%H%M%S"))
+    cfg = replace(cfg, out=os.path.abspath(out))
+    os.makedirs(cfg.out, exist_ok=True)
+    summary_path = os.path.join(cfg.out, "summary.json")
+    for name in ("summary.json", "records.parquet", "records.csv"):
+        if os.path.exists(os.path.join(cfg.out, name)):
+            os.remove(os.path.join(cfg.out, name))
+    if timeout is None:
+        timeout = STARTUP_ALLOWANCE_S + schedule.duration_s + cfg.drain_timeout + 30.0
+
+    main_cmd, worker_cmds = locust_commands(cfg, workers)
+    env = _child_env()
+    procs: list[subprocess.Popen] = []
+    logs = []
+    errors: list[str] = []
+    try:
+        main_log = open(os.path.join(cfg.out, "locust.log"), "w")
+        logs.append(main_log)
+        main = subprocess.Popen(main_cmd, stdout=subprocess.PIPE, stderr=main_log, env=env, text=True,
+                                start_new_session=True)  # Ctrl-C reaches us, and we stop Locust cleanly
+        procs.append(main)
+        for i, cmd in enumerate(worker_cmds):
+            wlog = open(os.path.join(cfg.out, f"locust-worker-{i}.log"), "w")
+            logs.append(wlog)
+            procs.append(subprocess.Popen(cmd, stdout=wlog, stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True))
+
+        def relay() -> None:
+            assert main.stdout is not None
+            for line in main.stdout:
+                if line.startswith("SLOTUNE_PROGRESS "):
+                    if on_progress is not None:
+                        try:
+                            on_progress(json.loads(line.split(" ", 1)[1]))
+                        except Exception:  # noqa: BLE001 - progress display must never break a run
+                            pass
+                elif line.startswith("SLOTUNE_ERROR "):
+                    errors.append(json.loads(line.split(" ", 1)[1]))
+                else:
+                    main_log.write(line)
+            main_log.flush()
+
+        reader = threading.Thread(target=relay, daemon=True)
+        reader.start()
+        try:
+            main.wait(timeout)
+        except subprocess.TimeoutExpired:
+            errors.append(f"the load test did not finish within {timeout:.0f}s")
+            _stop(main, 20.0)
+        except KeyboardInterrupt:
+            _stop(main, 20.0)  # SIGTERM: Locust stops, and the locustfile writes what it has
+            errors.append("interrupted")
+        reader.join(5)
+    finally:
+        for p in procs[1:]:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                _stop(p, 5.0)
+        for p in procs[:1]:
+            _stop(p, 5.0)
+        for f in logs:
+            f.close()
+    if not os.path.exists(summary_path):
+        tail = ""
+        log_path = os.path.join(cfg.out, "locust.log")
+        if os.path.exists(log_path):
+            with open(log_path) as f:
+                tail = "".join(f.readlines()[-20:])
+        raise LoadTestError("; ".join(errors) or f"no summary written (see {log_path})" + ("\n" + tail if tail else ""))
+    with open(summary_path) as f:
+        summary = json.load(f)
+    if errors:
+        summary.setdefault("warnings", []).extend(errors)
+    return summary

@@ -1,0 +1,86 @@
+"""The schedule: every request of a run with its intended send time, built once from a LoadConfig.
+
+Building is deterministic (seeded), so the same config gives the same schedule in any process. For several load
+processes the schedule is split round-robin by request index: process ``rank`` of ``n`` sends the requests with
+``index % n == rank``; together they send each request exactly once, at the time the one schedule says.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from loadtest.arrivals import arrival_times, from_trace
+from loadtest.config import LoadConfig
+from loadtest.workloads import LengthOptions, RequestSpec, TraceWorkload, Workload, open_workload
+
+
+@dataclass
+class Schedule:
+    requests: list[RequestSpec]  # sorted by intended send time; requests[i].index == i
+    duration_s: float  # the window the requests were drawn over (what rates are divided by)
+    meta: dict = field(default_factory=dict)
+
+    def share(self, rank: int, n: int) -> list[RequestSpec]:
+        if not 0 <= rank < n:
+            raise ValueError(f"rank {rank} not in 0..{n - 1}")
+        return [r for r in self.requests if r.index % n == rank]
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+def open_config_workload(cfg: LoadConfig) -> Workload:
+    lengths = LengthOptions(cfg.length_scale, cfg.output_scale, cfg.max_context)
+    return open_workload(cfg.workload, lengths, cfg.seed, mix=cfg.mix, mix_weights=cfg.mix_weights,
+                         prefix_groups=cfg.prefix_groups, prefix_len=cfg.prefix_len, suffix_len=cfg.suffix_len,
+                         prefix_output_len=cfg.prefix_output_len, trace_offset_s=cfg.trace_offset)
+
+
+def build_schedule(cfg: LoadConfig) -> Schedule:
+    wl = open_config_workload(cfg)
+    arrival = cfg.arrival or ("trace" if wl.has_timestamps else "poisson")
+    time_scale = None
+    truncated = False
+    if arrival == "trace":
+        if not isinstance(wl, TraceWorkload):
+            raise ValueError("arrival 'trace' needs a trace workload (a .csv or .jsonl file)")
+        if cfg.time_scale is not None and cfg.rate is not None:
+            raise ValueError("give --rate or --time-scale for a trace's own timestamps, not both")
+        time_scale = cfg.time_scale or (wl.mean_rate / cfg.rate if cfg.rate else 1.0)
+        times = from_trace([r.time for r in wl.rows], time_scale, cfg.duration)
+        truncated = len(times) == len(wl.rows)  # the trace ended before the duration
+    else:
+        if cfg.time_scale not in (None, 1.0):
+            raise ValueError("--time-scale stretches a trace's own timestamps; with synthetic arrivals set --rate")
+        rng = np.random.default_rng([cfg.seed, 4])
+        times = arrival_times(arrival, cfg.rate or 1.0, cfg.duration, rng, burstiness=cfg.burstiness,
+                              ramp_to=cfg.ramp_to)
+    if cfg.max_requests is not None and len(times) > cfg.max_requests:
+        times, truncated = times[: cfg.max_requests], True
+    requests = [replace(spec, at=float(t)) for spec, t in zip(wl.specs(), times)]
+    duration = cfg.duration
+    if truncated and len(requests) > 1:  # the requests ran out early: their own span (plus one mean gap)
+        last = requests[-1].at
+        duration = min(cfg.duration, last + last / (len(requests) - 1)) or cfg.duration
+    meta = {
+        **wl.describe(),
+        "arrival": arrival,
+        "rate": cfg.rate,
+        "time_scale": time_scale,
+        "burstiness": cfg.burstiness if arrival == "gamma" else None,
+        "ramp_to": cfg.ramp_to if arrival == "ramp" else None,
+        "scheduled_requests": len(requests),
+        "schedule_duration_s": duration,
+        "offered_rps": len(requests) / duration if duration > 0 else None,
+        "clipped_requests": wl.clipped,
+        "max_requests": cfg.max_requests,
+        "token_range": cfg.token_range,
+    }
+    return Schedule(requests, duration, meta)
+
+
+def take(iterable, n):  # small helper for tests
+    return list(itertools.islice(iterable, n))
