@@ -42,13 +42,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """query [tokens, heads, dim]; key/value [tokens, kv_heads, dim] (already written to the cache);
     key_cache/value_cache [blocks, block_size, kv_heads, dim]. Returns [tokens, heads, dim]."""
+    if len(meta.decode_groups) == 1 and not meta.prefills:  # pure decode of one group: no copy into `out`
+        return _decode_group(query, key_cache, value_cache, meta.decode_groups[0], scale)
     out = torch.empty_like(query)
     for group in meta.decode_groups:
-        k = _gather(key_cache, group.block_tables)[..., : group.context_len, :]  # [seqs, kv_heads, ctx, dim]
-        v = _gather(value_cache, group.block_tables)[..., : group.context_len, :]
-        q = query[group.start : group.end].unsqueeze(2)  # [seqs, heads, 1, dim]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True)
-        out[group.start : group.end] = o.squeeze(2)
+        out[group.start : group.end] = _decode_group(query, key_cache, value_cache, group, scale)
     for chunk in meta.prefills:
         q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, heads, chunk, dim]
         if chunk.mask is None:  # nothing cached before the chunk: attend to the chunk's own keys
@@ -61,6 +59,15 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
         out[chunk.start : chunk.end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _decode_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: DecodeGroup,
+                  scale: float) -> torch.Tensor:
+    k = _gather(key_cache, group.block_tables)[..., : group.context_len, :]  # [seqs, kv_heads, ctx, dim]
+    v = _gather(value_cache, group.block_tables)[..., : group.context_len, :]
+    q = query[group.start : group.end].unsqueeze(2)  # [seqs, heads, 1, dim]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True)
+    return o.squeeze(2)
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

@@ -52,12 +52,13 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             kind = str
             choices = get_args(getattr(sys.modules["engine.config"], str(f.type), None)) or None
-        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None,
+        # SUPPRESS: an absent flag leaves the knob as configured, while `--chunk-size none` sets it to None.
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=argparse.SUPPRESS,
                            choices=choices, help=f"default: {f.default}")
 
 
 def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    return {name: getattr(args, name) for name in EngineConfig.knob_names() if getattr(args, name, None) is not None}
+    return {name: getattr(args, name) for name in EngineConfig.knob_names() if hasattr(args, name)}
 
 
 def format_timing_table(outputs: list[RequestOutput]) -> str:

@@ -137,6 +137,7 @@ class EngineConfig:
         model_len = self.resolved_max_model_len(limits)
         blocks_needed = -(-model_len // self.block_size)
         if self.num_kv_blocks is not None:
+            _check_int(self, "num_kv_blocks", low=1)
             if self.num_kv_blocks < blocks_needed and "num_kv_blocks" not in changed:
                 knob = "max_model_len" if "max_model_len" in changed else "block_size"
                 raise ConfigError(knob, getattr(self, knob),
@@ -144,9 +145,12 @@ class EngineConfig:
             _check_int(self, "num_kv_blocks", low=blocks_needed)
         elif self.resolved_num_kv_blocks(limits) < blocks_needed:
             need = blocks_needed * self.block_size * limits.kv_bytes_per_token
+            knob = next((k for k in ("kv_cache_bytes", "max_model_len", "block_size") if k in changed),
+                        "kv_cache_bytes")
             raise ConfigError(
-                "kv_cache_bytes", self.kv_cache_bytes,
-                f"must be >= {need} to hold one sequence of max_model_len={model_len} tokens",
+                knob, getattr(self, knob),
+                f"needs kv_cache_bytes >= {need} (it is {self.kv_cache_bytes}) to hold one sequence of "
+                f"max_model_len={model_len} tokens",
             )
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig, ModelLimits
+from engine.config import RELAYOUT_KNOBS, EngineConfig, ModelLimits
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
@@ -103,6 +103,9 @@ class LLMEngine:
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
         """Queue a request; raises ValueError (and changes nothing) for a bad prompt or a duplicate id."""
         params = params or SamplingParams()
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in 0..{vocab - 1}")
         token_ids = self.tokenize(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
         seq = Sequence(request_id=request_id, prompt_token_ids=token_ids, params=params,
@@ -141,9 +144,12 @@ class LLMEngine:
         with self._lock:
             new = self.config.updated(self.limits, **knobs)
             self.scheduler.check_config(new)
+            # Allocate the new cache before the scheduler switches, so a failed allocation changes nothing.
+            new_cache = self._new_kv_cache(new) if new.changed_knobs(self.config) & RELAYOUT_KNOBS else None
             relayout, ended = self.scheduler.apply_config(new)
             if relayout:
-                self.runner.kv_cache = self._new_kv_cache(new)
+                assert new_cache is not None
+                self.runner.kv_cache = new_cache
             self.config = new
             for seq in ended:
                 request = self._requests[seq.request_id]

@@ -35,7 +35,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], default_generator: tor
 
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    logits = logits / params.temperature
+    # Shift by the max first: a tiny temperature then sends other logits to -inf instead of overflowing to NaN.
+    logits = (logits - logits.max()) / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -16,7 +16,7 @@ from engine.config import RELAYOUT_KNOBS, ConfigError, EngineConfig, ModelLimits
 from engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSequence:
     seq: Sequence
     num_tokens: int  # new tokens computed for this sequence in this step
@@ -102,6 +102,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, limits: ModelLimits) -> None:
         self.limits = limits
         self.config = config
+        self.max_model_len = config.resolved_max_model_len(limits)
         self.kv = self._new_kv_manager(config)
         self.waiting = RequestQueue(config.scheduling_policy)
         self.preempted = RequestQueue(config.scheduling_policy)
@@ -119,10 +120,6 @@ class Scheduler:
             num_host_blocks=config.num_swap_blocks(self.limits),
             enable_prefix_caching=config.enable_prefix_caching,
         )
-
-    @property
-    def max_model_len(self) -> int:
-        return self.config.resolved_max_model_len(self.limits)
 
     # Requests ---------------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -194,9 +191,19 @@ class Scheduler:
         running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         while len(running) > cfg.max_num_seqs:  # a lowered max_num_seqs holds from this step on
             self._preempt(running.pop(), out)
+        block_size = self.kv.block_size
+        scheduled = out.scheduled
         i = 0
         while i < len(running):
             seq = running[i]
+            # Fast path, most sequences in most steps: one decode token that fits in the last block.
+            computed = seq.num_computed_tokens
+            if (computed + 1 == seq.num_tokens and computed >= seq.num_prompt_tokens and budget > 0
+                    and computed < len(seq.block_table) * block_size):
+                scheduled.append(ScheduledSequence(seq, 1, False, True))
+                budget -= 1
+                i += 1
+                continue
             n = tokens_for(seq, seq.num_uncomputed_tokens)
             if n == 0:
                 i += 1
@@ -213,7 +220,10 @@ class Scheduler:
             break
         self.running = running
 
-        # 2. Preempted sequences come back before new ones are admitted.
+        # 2. Preempted sequences come back before new ones are admitted; not in a step that just preempted (as in
+        # vLLM v1): the blocks freed were needed by older sequences, and a victim must not bounce straight back.
+        if out.num_preemptions:
+            return out
         while budget > 0 and len(self.running) < cfg.max_num_seqs and len(self.preempted):
             seq = self.preempted.peek()
             assert seq is not None
@@ -279,15 +289,19 @@ class Scheduler:
         `out.scheduled`; None where nothing was sampled). Returns the sequences that finished on length or stop
         tokens; their blocks are already freed."""
         finished = []
+        register = self.kv.enable_prefix_caching
+        block_size = self.kv.block_size
+        running = SequenceStatus.RUNNING
         for item, token in zip(out.scheduled, sampled, strict=True):
             seq = item.seq
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += item.num_tokens
-            self.kv.register_full_blocks(seq)
+            if register and seq.num_computed_tokens // block_size > seq.num_registered_blocks:
+                self.kv.register_full_blocks(seq)
             if item.samples:
                 assert token is not None
-                seq.output_token_ids.append(token)
+                seq.append_token(token)
                 reason = seq.check_length_stop(self.max_model_len)
                 if reason is not None:
                     self.finish(seq, reason)
@@ -317,6 +331,7 @@ class Scheduler:
                     self.preempted.push(seq)
             self.running = []
         self.config = new
+        self.max_model_len = new.resolved_max_model_len(self.limits)
         if relayout:
             self.kv = self._new_kv_manager(new)
         elif "enable_prefix_caching" in changed:

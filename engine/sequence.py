@@ -24,7 +24,7 @@ class SequenceStatus(enum.Enum):
 _arrival_counter = itertools.count()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
@@ -47,6 +47,17 @@ class Sequence:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Kept as a plain field (not a property): the scheduler reads it for every sequence in every step.
+    num_tokens: int = field(init=False, default=0)
+    num_prompt_tokens: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_tokens = self.num_prompt_tokens + len(self.output_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.num_tokens += 1
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -65,14 +76,6 @@ class Sequence:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
@@ -88,12 +91,11 @@ class Sequence:
     def check_length_stop(self, max_model_len: int) -> str | None:
         """The finish reason if the last appended token ends the sequence (stop strings are the engine's job)."""
         last = self.output_token_ids[-1]
-        n_out = self.num_output_tokens
-        if n_out >= self.params.min_tokens:
-            if not self.params.ignore_eos and last in self.eos_token_ids:
-                return "stop"
-            if last in self.params.stop_token_ids:
-                return "stop"
-        if n_out >= self.params.max_tokens or self.num_tokens >= max_model_len:
+        n_out = self.num_tokens - self.num_prompt_tokens
+        params = self.params
+        if n_out >= params.min_tokens and (
+                (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids):
+            return "stop"
+        if n_out >= params.max_tokens or self.num_tokens >= max_model_len:
             return "length"
         return None

@@ -4,9 +4,10 @@ eviction, prefix caching by chained hashes (with its collision check), swapping 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -16,6 +17,12 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def examples(n: int, **more: Any) -> settings:
+    """Hypothesis settings for these tests: n examples, no deadline and no speed health check (the machines that
+    run them are shared and busy)."""
+    return settings(max_examples=n, deadline=None, suppress_health_check=[HealthCheck.too_slow], **more)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -136,7 +143,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
 
 TestBlockPool = BlockPoolMachine.TestCase
-TestBlockPool.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestBlockPool.settings = examples(150, stateful_step_count=40)
 
 
 def test_allocate_and_free_are_o1() -> None:
@@ -160,12 +167,12 @@ def test_allocate_and_free_are_o1() -> None:
         return best
 
     small, large = per_op(2_000), per_op(200_000)
-    assert large < 5 * small, f"{large:.4f}s vs {small:.4f}s"
+    assert large < 10 * small, f"{large:.4f}s vs {small:.4f}s"
 
 
 # Prefix caching ---------------------------------------------------------------------------------------------------
 
-@settings(max_examples=150, deadline=None)
+@examples(150)
 @given(block_size=st.sampled_from([1, 2, 3, 4, 16]), shared=st.lists(st.integers(0, 3), min_size=1, max_size=40),
        tail_a=st.lists(st.integers(0, 3), max_size=8), tail_b=st.lists(st.integers(0, 3), max_size=8),
        a_done=st.booleans(), enabled=st.booleans())
@@ -196,7 +203,7 @@ def test_requests_sharing_a_prefix_get_hits(block_size: int, shared: list[int], 
     assert kv.num_used_blocks == 0 and kv.num_free_blocks == 64
 
 
-@settings(max_examples=100, deadline=None)
+@examples(100)
 @given(block_size=st.sampled_from([1, 2, 4]), num_full=st.integers(1, 6), extra_blocks=st.integers(1, 6))
 def test_lazy_lru_eviction(block_size: int, num_full: int, extra_blocks: int) -> None:
     """A finished request's cached blocks stay hittable while other requests only need blocks without cached
@@ -259,7 +266,7 @@ def test_token_comparison_rejects_a_colliding_block() -> None:
 
 # Allocation, freeing and swapping ---------------------------------------------------------------------------------
 
-@settings(max_examples=100, deadline=None)
+@examples(100)
 @given(block_size=st.sampled_from([1, 2, 4, 8]), num_blocks=st.integers(1, 12), first=st.integers(1, 40),
        more=st.integers(1, 40))
 def test_allocate_is_all_or_nothing(block_size: int, num_blocks: int, first: int, more: int) -> None:
@@ -284,7 +291,7 @@ def test_allocate_is_all_or_nothing(block_size: int, num_blocks: int, first: int
     assert kv.num_used_blocks == 0 and seq.block_table == []
 
 
-@settings(max_examples=100, deadline=None)
+@examples(100)
 @given(block_size=st.sampled_from([1, 2, 4]), lengths=st.lists(st.integers(1, 20), min_size=1, max_size=4),
        host_blocks=st.integers(0, 30), shared=st.booleans())
 def test_swap_out_and_in_round_trip(block_size: int, lengths: list[int], host_blocks: int, shared: bool) -> None:

@@ -13,7 +13,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, assume, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -30,6 +30,12 @@ FINISH_REASONS = {"stop", "length", "abort"}
 BASES = [[random.Random(k).randrange(VOCAB) for _ in range(LIMITS.max_context_len)] for k in range(2)]
 
 
+def examples(n: int, **more: Any) -> settings:
+    """Hypothesis settings for these tests: n examples, no deadline and no speed health check (the machines that
+    run them are shared and busy)."""
+    return settings(max_examples=n, deadline=None, suppress_health_check=[HealthCheck.too_slow], **more)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -41,7 +47,7 @@ def engine_knobs(draw: st.DrawFn) -> dict[str, Any]:
     max_model_len = draw(st.integers(4, LIMITS.max_context_len))
     min_blocks = cdiv(max_model_len, block_size)
     max_num_seqs = draw(st.integers(1, 8))
-    budget = draw(st.integers(max_num_seqs, 64))
+    budget = draw(st.integers(max_num_seqs, 2 * max_num_seqs + 8) | st.integers(max_num_seqs, 64))
     return {
         "block_size": block_size,
         "max_model_len": max_model_len,
@@ -195,6 +201,13 @@ class Sim:
                 assert not left_preempted, "a new request overtook a preempted one"
             elif status0 in (S.PREEMPTED, S.SWAPPED) or pre0 < seq.num_preemptions:
                 assert all(key(seq) < key(w) for w in left_preempted), "resumed out of queue order"
+
+        # Victims are the newest (lowest-priority) running sequences: each is behind every one that kept running.
+        victims = [s for s in before if before[s][0] is S.RUNNING and s.num_preemptions > before[s][2]]
+        kept = [s for s in before if before[s][0] is S.RUNNING and s.num_preemptions == before[s][2]
+                and s.status is S.RUNNING]
+        for v in victims:
+            assert all(key(v) > key(k) for k in kept), "preempted an older sequence and kept a newer one"
 
         # The fake forward pass: swap copies first (as the runner does), then every scheduled sequence reads the
         # KV of all its earlier tokens and writes its new tokens.
@@ -411,8 +424,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
-TestSchedulerMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None,
-                                         suppress_health_check=[HealthCheck.too_slow])
+TestSchedulerMachine.settings = examples(200, stateful_step_count=40)
 
 
 # Directed properties ------------------------------------------------------------------------------------------
@@ -422,3 +434,266 @@ def make_sim(seed: int = 0, **knobs: Any) -> Sim:
                 swap_space_bytes=256)
     base.update(knobs)
     return Sim(EngineConfig.create(LIMITS, **base), random.Random(seed))
+
+
+# Directed properties ------------------------------------------------------------------------------------------
+
+def make_sim(seed: int = 0, **knobs: Any) -> Sim:
+    config = dict(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=48,
+                  swap_space_bytes=256)
+    config.update(knobs)
+    return Sim(EngineConfig.create(LIMITS, **config), random.Random(seed))
+
+
+def run_all(sim: Sim) -> list[SchedulerOutput]:
+    outs = []
+    for _ in range(10_000):
+        if not sim.sched.num_unfinished:
+            break
+        outs.append(sim.step())
+        sim.check_invariants()
+    assert sim.sched.num_unfinished == 0
+    return outs
+
+
+@examples(60)
+@given(priorities=st.lists(st.integers(-3, 3), min_size=2, max_size=8), policy=st.sampled_from(["fcfs", "priority"]))
+def test_policy_decides_the_order_of_service(priorities: list[int], policy: str) -> None:
+    """FCFS serves requests in arrival order whatever their priority; the priority policy serves the lowest
+    priority value first, ties in arrival order."""
+    sim = make_sim(scheduling_policy=policy, max_num_seqs=1, max_num_batched_tokens=8)
+    seqs = [sim.new_seq([1, 2, 3], max_tokens=2, priority=p) for p in priorities]
+    for seq in seqs:
+        sim.add(seq)
+    order: list[Sequence] = []
+    for out in run_all(sim):
+        order += [item.seq for item in out.scheduled if item.seq not in order]
+    expected = sorted(seqs, key=lambda s: (s.priority, s.arrival_order)) if policy == "priority" else seqs
+    assert order == expected
+    assert all(s.finish_reason == "length" and s.num_output_tokens == 2 for s in seqs)
+
+
+@examples(60)
+@given(budget=st.integers(4, 32), num_decoding=st.integers(1, 3), prompt_len=st.integers(1, 46),
+       ratio=st.sampled_from([0.1, 0.5, 1.0]), chunk=st.none() | st.integers(1, 32))
+def test_decodes_and_prefill_chunks_share_one_budget(budget: int, num_decoding: int, prompt_len: int,
+                                                     ratio: float, chunk: int | None) -> None:
+    """Decode tokens are served first; a new prompt gets a chunk of what is left of the step's budget, within
+    chunk_size and the prefill share, and no more."""
+    chunk = min(chunk, budget) if chunk is not None else None
+    sim = make_sim(max_num_seqs=4, max_num_batched_tokens=budget, chunk_size=chunk, prefill_token_ratio=ratio)
+    decoding = [sim.new_seq([1, 2], max_tokens=40) for _ in range(num_decoding)]
+    for seq in decoding:
+        sim.add(seq)
+    while any(s.in_prefill for s in decoding):
+        sim.step()
+    sim.add(sim.new_seq([3] * prompt_len, max_tokens=1))
+    out = sim.step()
+    assert out.num_decode_tokens == num_decoding
+    prefill_cap = max(1, int(budget * ratio))
+    assert out.num_prefill_tokens == min(prompt_len, chunk or budget, prefill_cap, budget - num_decoding)
+    assert out.num_tokens <= budget
+
+
+def _pressure_workload(sim: Sim, num: int = 4, prompt_len: int = 6, max_tokens: int = 12) -> list[Sequence]:
+    seqs = [sim.new_seq([(i + j) % VOCAB for j in range(prompt_len)], max_tokens) for i in range(num)]
+    for seq in seqs:
+        sim.add(seq)
+    return seqs
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_under_a_small_pool_finishes_everything(mode: str) -> None:
+    """Four requests that need 36 blocks between them share a pool of 12: they are preempted (by swap, copying
+    their blocks to the host pool and back; or by recompute), yet every one finishes with all its tokens, no block
+    stays used, and swap never computes a token twice while recompute redoes work."""
+    sim = make_sim(block_size=2, num_kv_blocks=12, max_model_len=24, max_num_seqs=4, max_num_batched_tokens=32,
+                   preemption_mode=mode, swap_space_bytes=64 * 2, enable_prefix_caching=False)
+    seqs = _pressure_workload(sim)
+    outs = run_all(sim)
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert all(s.finish_reason == "length" and s.num_output_tokens == 12 for s in seqs)
+    computed = sum(o.num_tokens for o in outs)
+    needed = sum(s.num_prompt_tokens + s.num_output_tokens - 1 for s in seqs)
+    if mode == "swap":
+        swapped_out = [h for o in outs for _, h in o.swap_out]
+        swapped_in = [h for o in outs for h, _ in o.swap_in]
+        assert swapped_out and sorted(swapped_out) == sorted(swapped_in)  # every host copy came back
+        assert computed == needed
+    else:
+        assert not any(o.swap_out or o.swap_in for o in outs)
+        assert computed > needed
+    assert sim.sched.kv.num_used_blocks == 0
+    assert sim.sched.kv.host_pool.num_free == sim.sched.kv.host_pool.num_blocks
+
+
+def test_preempted_requests_come_back_before_new_ones() -> None:
+    """A request preempted for lack of blocks is not overtaken by requests that arrive later and would fit: they
+    wait until it runs again (no starvation of preempted requests)."""
+    sim = make_sim(block_size=1, num_kv_blocks=10, max_model_len=10, max_num_seqs=4, max_num_batched_tokens=10,
+                   enable_prefix_caching=False)
+    a, b = (sim.new_seq([1, 2, 3, 0], max_tokens=6) for _ in range(2))
+    sim.add(a)
+    sim.add(b)
+    out = sim.step()
+    while not out.num_preemptions:
+        out = sim.step()
+    assert b.status is SequenceStatus.PREEMPTED and a.status is SequenceStatus.RUNNING
+    c = sim.new_seq([3], max_tokens=1)
+    sim.add(c)
+    first_step: dict[Sequence, int] = {}
+    for index, out in enumerate(run_all(sim)):
+        for item in out.scheduled:
+            first_step.setdefault(item.seq, index)
+    assert first_step[b] <= first_step[c], "a new request overtook a preempted one"
+    assert all(s.finish_reason == "length" for s in (a, b, c))
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_lowering_max_num_seqs_takes_effect_at_the_next_step(mode: str) -> None:
+    sim = make_sim(max_num_seqs=6, max_num_batched_tokens=64, preemption_mode=mode)
+    seqs = _pressure_workload(sim, num=6, prompt_len=4, max_tokens=10)
+    sim.step()
+    sim.step()
+    assert sim.sched.num_running == 6
+    sim.sched.apply_config(sim.sched.config.updated(LIMITS, max_num_seqs=2))
+    out = sim.step()
+    assert len(out.scheduled) <= 2 and sim.sched.num_running == 2
+    assert [s.status for s in seqs[:2]] == [SequenceStatus.RUNNING] * 2  # the oldest keep running
+    assert all(s.num_preemptions == 1 for s in seqs[2:])
+    outs = run_all(sim)
+    assert all(len(o.scheduled) <= 2 for o in outs)
+    assert all(s.finish_reason == "length" and s.num_output_tokens == 10 for s in seqs)
+
+
+@examples(40)
+@given(steps_before=st.integers(0, 12), block_size=st.sampled_from([1, 2, 3, 8, 16]),
+       pool_factor=st.integers(1, 3), mode=st.sampled_from(["recompute", "swap"]),
+       chunk=st.none() | st.integers(1, 16))
+def test_relayout_mid_run_loses_no_request(steps_before: int, block_size: int, pool_factor: int, mode: str,
+                                           chunk: int | None) -> None:
+    """Changing block_size and the pool size in the middle of generation re-lays the cache: in-flight requests are
+    recomputed from their tokens so far, and each still ends with all its tokens, the earlier ones unchanged."""
+    sim = make_sim(block_size=4, num_kv_blocks=24, max_model_len=32, preemption_mode=mode, swap_space_bytes=64)
+    seqs = _pressure_workload(sim, num=6, prompt_len=7, max_tokens=14)
+    for _ in range(steps_before):
+        sim.step()
+    so_far = {s: list(s.output_token_ids) for s in seqs}
+    new = sim.sched.config.updated(LIMITS, block_size=block_size, num_kv_blocks=pool_factor * cdiv(32, block_size),
+                                   chunk_size=chunk)
+    relayout, ended = sim.sched.apply_config(new)
+    assert relayout and not ended
+    sim.dev.clear()
+    sim.host.clear()
+    assert sim.sched.kv.block_size == block_size and sim.sched.kv.num_used_blocks == 0
+    assert sim.sched.num_unfinished == sum(1 for s in seqs if not s.status.finished)
+    sim.check_invariants()
+    run_all(sim)
+    for seq in seqs:
+        assert seq.finish_reason == "length" and seq.num_output_tokens == 14
+        assert seq.output_token_ids[:len(so_far[seq])] == so_far[seq]
+
+
+def test_relayout_recomputes_swapped_requests() -> None:
+    """Host copies belong to the old layout: a re-layout while requests are swapped out queues them for recompute
+    and hands the whole (new) host pool back; they still finish with all their tokens."""
+    sim = make_sim(block_size=2, num_kv_blocks=12, max_model_len=24, max_num_seqs=4, max_num_batched_tokens=32,
+                   preemption_mode="swap", swap_space_bytes=128, enable_prefix_caching=False)
+    seqs = _pressure_workload(sim)
+    while not any(s.status is SequenceStatus.SWAPPED for s in seqs):
+        sim.step()
+    relayout, _ = sim.sched.apply_config(sim.sched.config.updated(LIMITS, block_size=4, num_kv_blocks=8))
+    sim.dev.clear()
+    sim.host.clear()
+    assert relayout and not any(s.status is SequenceStatus.SWAPPED or s.host_block_table for s in seqs)
+    assert sim.sched.kv.host_pool.num_free == sim.sched.kv.host_pool.num_blocks
+    sim.check_invariants()
+    run_all(sim)
+    assert all(s.finish_reason == "length" and s.num_output_tokens == 12 for s in seqs)
+
+
+def test_shorter_max_model_len_ends_long_requests_and_rejects_stranding_ones() -> None:
+    """A max_model_len below a prompt in flight is refused and changes nothing; one that only cuts generation short
+    ends the requests already at the new length (finish reason "length") and keeps the others."""
+    sim = make_sim(max_model_len=40)
+    long_prompt = sim.new_seq([1] * 20, max_tokens=16)
+    short = sim.new_seq([2] * 4, max_tokens=16)
+    sim.add(long_prompt)
+    sim.add(short)
+    for _ in range(5):
+        sim.step()
+    sched = sim.sched
+    before = (sched.config, sched.kv, [list(s.block_table) for s in (long_prompt, short)])
+    with pytest.raises(ConfigError, match="max_model_len"):
+        sched.apply_config(sched.config.updated(LIMITS, max_model_len=16, block_size=8))
+    assert before == (sched.config, sched.kv, [list(s.block_table) for s in (long_prompt, short)])
+    sim.check_invariants()
+
+    relayout, ended = sched.apply_config(sched.config.updated(LIMITS, max_model_len=24))
+    sim.dev.clear()
+    assert relayout and ended == [long_prompt] and long_prompt.finish_reason == "length"
+    run_all(sim)
+    assert short.finish_reason == "length" and short.num_output_tokens == 16
+
+
+@examples(40)
+@given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=10), steps=st.integers(0, 20),
+       mode=st.sampled_from(["recompute", "swap"]))
+def test_aborting_everything_frees_every_block(lengths: list[int], steps: int, mode: str) -> None:
+    sim = make_sim(block_size=2, num_kv_blocks=24, preemption_mode=mode, swap_space_bytes=32)
+    seqs = [sim.new_seq([i % VOCAB] * n, max_tokens=16) for i, n in enumerate(lengths)]
+    for seq in seqs:
+        sim.add(seq)
+    for _ in range(steps):
+        sim.step()
+    for seq in seqs:
+        sim.sched.abort(seq.request_id)
+    sim.check_invariants()
+    assert sim.sched.num_unfinished == 0 and sim.sched.kv.num_used_blocks == 0
+    assert sim.sched.kv.host_pool.num_free == sim.sched.kv.host_pool.num_blocks
+    assert not sim.sched.schedule().scheduled
+    assert {s.finish_reason for s in seqs} <= FINISH_REASONS
+
+
+def test_prefix_cache_hits_are_counted_and_shared() -> None:
+    """Requests that share a long prompt prefix with an earlier one compute only what is new."""
+    sim = make_sim(block_size=4, max_model_len=48)
+    system = [1, 2, 3, 0] * 8  # 32 tokens, 8 blocks
+    first = sim.new_seq(system + [1], max_tokens=2)
+    sim.add(first)
+    run_all(sim)
+    later = [sim.new_seq(system + [2, i % VOCAB], max_tokens=2) for i in range(3)]
+    for seq in later:
+        sim.add(seq)
+    out = sim.step()
+    assert out.prefix_hit_tokens == 3 * 32
+    assert all(s.num_cached_tokens == 32 for s in later)
+    assert sum(item.num_tokens for item in out.scheduled) == 3 * 2
+    assert sim.sched.prefix_cache_hits == 3 * 32
+    run_all(sim)
+
+
+@examples(100)
+@given(priorities=st.lists(st.integers(-2, 2), max_size=12), removed=st.sets(st.integers(0, 11)),
+       readded=st.sets(st.integers(0, 11)), policy=st.sampled_from(["fcfs", "priority"]))
+def test_request_queue_pops_in_policy_order(priorities: list[int], removed: set[int], readded: set[int],
+                                            policy: str) -> None:
+    """Members come out by arrival (FCFS) or by (priority, arrival); a removed one never comes out, one removed
+    and pushed again comes out once."""
+    queue = RequestQueue(policy)
+    seqs = [Sequence(f"q{i}", [1], SamplingParams(), priority=p) for i, p in enumerate(priorities)]
+    for seq in seqs:
+        queue.push(seq)
+    for i in removed & set(range(len(seqs))):
+        queue.remove(seqs[i])
+    for i in readded & removed & set(range(len(seqs))):
+        queue.push(seqs[i])
+    members = [s for i, s in enumerate(seqs) if i not in removed or i in readded]
+    assert len(queue) == len(members) and all(s in queue for s in members)
+    expected = sorted(members, key=lambda s: (s.priority if policy == "priority" else 0, s.arrival_order))
+    popped = []
+    while len(queue):
+        head = queue.peek()
+        popped.append(queue.pop())
+        assert popped[-1] is head
+    assert popped == expected and queue.peek() is None
