@@ -204,6 +204,29 @@ def available_memory_bytes(device: str) -> int | None:
     return None
 
 
+def check_knob_types(knobs: dict[str, Any]) -> None:
+    """Reject a JSON value of the wrong type for its knob (ConfigError naming it), before the config sees it."""
+    for f in dataclasses.fields(EngineConfig):
+        if f.name not in knobs or f.name == "generation":
+            continue
+        value, kind = knobs[f.name], str(f.type)
+        optional = "None" in kind
+        if value is None:
+            if optional:
+                continue
+            raise ConfigError(f.name, value, "must not be null")
+        if kind.startswith("int"):
+            ok, allowed = isinstance(value, int) and not isinstance(value, bool), "must be an integer"
+        elif kind.startswith("float"):
+            ok, allowed = isinstance(value, (int, float)) and not isinstance(value, bool), "must be a number"
+        elif kind.startswith("bool"):
+            ok, allowed = isinstance(value, bool), "must be true or false"
+        else:
+            ok, allowed = isinstance(value, str), "must be a string"
+        if not ok:
+            raise ConfigError(f.name, value, allowed + (" or null" if optional else ""))
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None, *, max_waiting_requests: int = 1024,
                  max_kv_memory_bytes: int | None = None) -> None:
@@ -433,6 +456,7 @@ class EngineLoop:
         engine = self.engine
         if not knobs:
             return engine.config
+        check_knob_types(knobs)
         candidate = engine.config.updated(engine.limits, **knobs)  # raises ConfigError, changes nothing
         if candidate.changed_knobs(engine.config) & RELAYOUT_KNOBS:
             self._check_kv_memory(candidate, knobs)
@@ -444,9 +468,9 @@ class EngineLoop:
 
     def _check_kv_memory(self, candidate: EngineConfig, knobs: dict[str, Any]) -> None:
         limits = self.engine.limits
-        per_block = limits.kv_bytes_per_token * candidate.block_size
-        device_bytes = 2 * candidate.resolved_num_kv_blocks(limits) * per_block  # keys and values
-        host_bytes = 2 * candidate.num_swap_blocks(limits) * per_block
+        per_block = limits.kv_bytes_per_token * candidate.block_size  # keys and values
+        device_bytes = candidate.resolved_num_kv_blocks(limits) * per_block
+        host_bytes = candidate.num_swap_blocks(limits) * per_block
         cap = self.max_kv_memory_bytes
         if cap is None:
             free = available_memory_bytes(self.device)

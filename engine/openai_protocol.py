@@ -24,6 +24,7 @@ __all__ = [
 ]
 
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
+SAMPLING_EPS = 1e-5
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
@@ -86,17 +87,25 @@ class _SamplingFields(_Strict):
         the engine loop replaces with what the context leaves."""
         max_tokens = self.requested_max_tokens()
         stop = self.stop if self.stop is not None else ()
+        temperature = 1.0 if self.temperature is None else self.temperature
+        top_p = 1.0 if self.top_p is None else self.top_p
+        # Values the float32 sampler cannot represent would fail the whole batch's step (NaN probabilities):
+        # a temperature below 1e-5 is greedy (as in vLLM); a top_p below 1e-6 keeps only the top token anyway.
+        if 0.0 <= temperature < SAMPLING_EPS:
+            temperature = 0.0
+        if 0.0 < top_p < 1e-6:
+            top_p = 1e-6
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else max(1, self.min_tokens),
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
+            temperature=temperature,
+            top_p=top_p,
             top_k=0 if self.top_k is None else self.top_k,
             seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens)
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    prompt: str | list[TokenId] | list[str | list[TokenId]]  # one prompt, or a batch of texts / token lists
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
     echo: bool | None = False
     suffix: str | None = None
@@ -122,7 +131,8 @@ class CompletionRequest(_SamplingFields):
             return [Prompt(text=p)]
         if all(isinstance(x, int) for x in p):
             return [Prompt(token_ids=list(p))]  # type: ignore[arg-type]
-        return [Prompt(text=x) if isinstance(x, str) else Prompt(token_ids=list(x)) for x in p]  # type: ignore[arg-type]
+        return [Prompt(text=x) if isinstance(x, str) else Prompt(token_ids=list(x))  # type: ignore[arg-type]
+                for x in p]
 
 
 class TextPart(_Strict):

@@ -121,18 +121,19 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return samples
 
 
-def metric(samples: dict[Any, float], name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+def metric(samples: dict[Any, float], sample_name: str, /, **labels: str) -> float:
+    return samples.get((sample_name, tuple(sorted(labels.items()))), 0.0)
 
 
-def delta(before: dict[Any, float], after: dict[Any, float], name: str, **labels: str) -> float:
-    return metric(after, name, **labels) - metric(before, name, **labels)
+def delta(before: dict[Any, float], after: dict[Any, float], sample_name: str, /, **labels: str) -> float:
+    return metric(after, sample_name, **labels) - metric(before, sample_name, **labels)
 
 
 async def stream_completion(client: httpx.AsyncClient, body: dict[str, Any], path: str = "/v1/completions",
-                            stop_after: int | None = None) -> dict[str, Any]:
+                            stop_after: int | None = None, progress: list[int] | None = None) -> dict[str, Any]:
     """POST a streamed request and read its SSE events; with `stop_after`, disconnect after that many token
-    events. Returns the events' texts, the usage and whether [DONE] came."""
+    events; `progress[0]` counts token events as they arrive. Returns the events' texts, the usage and whether
+    [DONE] came."""
     texts: list[str] = []
     result: dict[str, Any] = {"texts": texts, "usage": None, "done": False, "finish_reason": None,
                               "status": None}
@@ -158,6 +159,8 @@ async def stream_completion(client: httpx.AsyncClient, body: dict[str, Any], pat
                 result["usage"] = event["usage"]
             for choice in event["choices"]:
                 texts.append(choice["text"] if "text" in choice else choice["delta"].get("content", ""))
+                if progress is not None:
+                    progress[0] += 1
                 result["finish_reason"] = choice["finish_reason"] or result["finish_reason"]
             if stop_after is not None and len(texts) >= stop_after:
                 return result  # leaving the block closes the connection mid-stream
