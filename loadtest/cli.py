@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 
@@ -26,6 +27,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--workers", type=int, default=1,
                    help="load processes (Locust master + N workers when > 1); the schedule is split among them")
+    p.add_argument("--realtime", action="store_true",
+                   help="run the load processes with a real-time priority (SCHED_RR; needs the privilege, else "
+                        "ignored): keeps the generator on schedule when the server under test or anything else "
+                        "saturates this machine's CPUs")
+    p.add_argument("--nice", type=int, default=0,
+                   help="niceness of the load processes (negative needs the privilege; only counts against "
+                        "processes of the same cgroup)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     for o in OPTIONS:
@@ -36,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 class ProgressLine:
     """One line, rewritten in place on a terminal; a plain line every few seconds otherwise."""
 
-    def __init__(self, stream=sys.stderr, every_s: float = 5.0) -> None:
+    def __init__(self, stream=sys.stderr, every_s: float = 5.0, lag_warn: float = 0.010) -> None:
         self.stream = stream
+        self.lag_warn = lag_warn
         self.tty = stream.isatty()
         self.every_s = every_s
         self.last = 0.0
@@ -45,7 +54,7 @@ class ProgressLine:
 
     def __call__(self, p: dict) -> None:
         lag = p.get("lag_p99")
-        behind = lag is not None and lag > 0.010
+        behind = lag is not None and lag > self.lag_warn
         text = (f"[{format_duration(max(p['elapsed_s'], 0.0)):>7} / {format_duration(p['duration_s'])}] "
                 f"sent {p['sent']}/{p['scheduled']}  in flight {p['in_flight']}  ok {p['ok']}  failed {p['failed']}  "
                 f"tokens {p['tokens']}  send lag p99 {format_duration(lag)}" + ("  BEHIND SCHEDULE" if behind else ""))
@@ -74,9 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"slotune loadtest: {e}", file=sys.stderr)
         return 2
-    progress = None if args.quiet else ProgressLine()
+    progress = None if args.quiet else ProgressLine(lag_warn=cfg.lag_warn)
+
+    def on_sigterm(signum, frame):  # like Ctrl-C: stop Locust cleanly, keep what was measured
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        summary = run_loadtest(cfg, workers=args.workers, on_progress=progress)
+        summary = run_loadtest(cfg, workers=args.workers, on_progress=progress, nice=args.nice,
+                               realtime=args.realtime)
     except LoadTestError as e:
         if progress:
             progress.close()

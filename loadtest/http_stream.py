@@ -35,28 +35,29 @@ class ResponseParser:
     def feed(self, data: bytes) -> bytes:
         if self.complete:
             return b""
-        self._buf += data
         if not self.headers_done:
+            self._buf += data
             end = self._buf.find(b"\r\n\r\n")
             if end < 0:
                 if len(self._buf) > 65536:
                     raise HTTPError("response headers too long")
                 return b""
             self._parse_head(bytes(self._buf[:end]).decode("latin-1"))
-            del self._buf[: end + 4]
+            data = bytes(self._buf[end + 4:])
+            self._buf.clear()
+            if not self.headers_done:  # it was an interim 1xx response
+                return self.feed(data)
+            if self.complete:
+                return b""
         if self._mode == "chunked":
-            return self._chunked()
+            return self._chunked(data)
         if self._mode == "length":
-            n = min(self._remaining, len(self._buf))
-            out = bytes(self._buf[:n])
-            del self._buf[:n]
-            self._remaining -= n
+            out = data[: self._remaining]
+            self._remaining -= len(out)
             if self._remaining == 0:
                 self.complete = True
             return out
-        out = bytes(self._buf)
-        self._buf.clear()
-        return out
+        return data
 
     def eof(self) -> None:
         """The connection closed: fine for a close-delimited body, an error otherwise."""
@@ -95,79 +96,89 @@ class ResponseParser:
         else:
             self._mode = "close"
 
-    def _chunked(self) -> bytes:
-        out = bytearray()
-        buf = self._buf
-        while True:
-            if self._chunk_state == "size":
-                end = buf.find(b"\r\n")
+    def _chunked(self, data: bytes) -> bytes:
+        if self._buf:
+            self._buf += data
+            data = bytes(self._buf)
+            self._buf.clear()
+        out: list[bytes] = []
+        pos, n = 0, len(data)
+        while pos < n:
+            state = self._chunk_state
+            if state == "size":
+                end = data.find(b"\r\n", pos)
                 if end < 0:
                     break
                 try:
-                    size = int(bytes(buf[:end]).split(b";", 1)[0].strip(), 16)
+                    size = int(data[pos:end].split(b";", 1)[0], 16)
                 except ValueError:
-                    raise HTTPError(f"bad chunk size line {bytes(buf[:end])[:40]!r}") from None
-                del buf[: end + 2]
+                    raise HTTPError(f"bad chunk size line {data[pos:end][:40]!r}") from None
+                pos = end + 2
                 self._remaining = size
                 self._chunk_state = "data" if size else "trailers"
-            elif self._chunk_state == "data":
-                n = min(self._remaining, len(buf))
-                if n == 0:
-                    break
-                out += buf[:n]
-                del buf[:n]
-                self._remaining -= n
+            elif state == "data":
+                take = min(self._remaining, n - pos)
+                out.append(data[pos:pos + take])
+                pos += take
+                self._remaining -= take
                 if self._remaining == 0:
                     self._chunk_state = "crlf"
-            elif self._chunk_state == "crlf":
-                if len(buf) < 2:
+            elif state == "crlf":
+                if n - pos < 2:
                     break
-                del buf[:2]
+                pos += 2
                 self._chunk_state = "size"
             else:  # trailers: lines until an empty one
-                end = buf.find(b"\r\n")
+                end = data.find(b"\r\n", pos)
                 if end < 0:
                     break
-                del buf[: end + 2]
-                if end == 0:
+                empty = end == pos
+                pos = end + 2
+                if empty:
                     self.complete = True
+                    pos = n
                     break
-        return bytes(out)
+        if pos < n:
+            self._buf += data[pos:]
+        return out[0] if len(out) == 1 else b"".join(out)
 
 
 class SSEParser:
-    """Server-sent events: returns the ``data`` of each complete event (multi-line data joined with ``\\n``).
-    Lines end with ``\\n`` or ``\\r\\n``; comments and other fields are skipped."""
+    """Server-sent events: returns the ``data`` of each complete event as bytes (multi-line data joined with
+    ``\\n``). Lines end with ``\\n`` or ``\\r\\n``; comments and other fields are skipped."""
 
     def __init__(self) -> None:
         self._buf = b""
-        self._data: list[str] = []
+        self._data: list[bytes] = []
 
-    def feed(self, data: bytes) -> list[str]:
+    def feed(self, data: bytes) -> list[bytes]:
+        if self._buf:
+            data = self._buf + data
+        elif not self._data and data.startswith(b"data: ") and data.find(b"\n") == len(data) - 2 \
+                and data.endswith(b"\n\n"):
+            return [data[6:-2]]  # the common case: exactly one single-line event
         events = []
-        buf = self._buf + data if self._buf else data
         start = 0
         while True:
-            nl = buf.find(b"\n", start)
+            nl = data.find(b"\n", start)
             if nl < 0:
                 break
-            line = buf[start:nl]
+            line = data[start:nl]
             start = nl + 1
             if line.endswith(b"\r"):
                 line = line[:-1]
             if not line:
                 if self._data:
-                    events.append("\n".join(self._data))
+                    events.append(b"\n".join(self._data))
                     self._data = []
                 continue
             if line.startswith(b"data:"):
                 v = line[5:]
-                self._data.append((v[1:] if v.startswith(b" ") else v).decode("utf-8", "replace"))
+                self._data.append(v[1:] if v.startswith(b" ") else v)
             # "event:", "id:", "retry:" and ":" comments carry nothing a completion stream needs
-        self._buf = buf[start:]
+        self._buf = data[start:]
         return events
 
-    def close(self) -> list[str]:
+    def close(self) -> list[bytes]:
         """Events left when the stream ends without a final blank line."""
-        events = self.feed(b"\n\n") if (self._buf or self._data) else []
-        return events
+        return self.feed(b"\n\n") if (self._buf or self._data) else []

@@ -24,6 +24,12 @@ from loadtest.stream_client import Endpoint, StreamResult, stream_completion
 from loadtest.tokens import PromptBuilder, TokenSpace
 from loadtest.workloads import RequestSpec
 
+SPIN_S = 0.0015  # the last stretch before a send is due is spent yielding rather than on a timer (see _wait_until)
+
+
+class RequestTimeout(Exception):
+    """Raised into a request's greenlet by the watchdog."""
+
 
 def epoch_offset(samples: int = 5) -> float:
     """``time.time() - time.perf_counter()``, the sample with the tightest bracket."""
@@ -67,7 +73,8 @@ class OpenLoopDispatcher:
         self.run_id = run_id
         self.model = model
         self.builder = PromptBuilder(tokens or TokenSpace())
-        self.endpoint = Endpoint(url, timeout=request_timeout)
+        self.endpoint = Endpoint(url, timeout=request_timeout, io_timeout=False)  # the watchdog times requests out
+        self.request_timeout = request_timeout
         self.drain_timeout = drain_timeout
         self.on_record = on_record or (lambda r: None)
         self.on_finished = on_finished or (lambda: None)
@@ -75,8 +82,10 @@ class OpenLoopDispatcher:
         self.t0 = t0_epoch - self.offset  # perf_counter time of the run's start
         self.next = 0  # index into self.requests of the next one to send
         self.inflight: dict[int, gevent.Greenlet] = {}
+        self.results: dict[int, StreamResult] = {}
         self.finished = False
         self._loop: gevent.Greenlet | None = None
+        self._watchdog: gevent.Greenlet | None = None
         # counters for progress reports
         self.sent = self.ok = self.failed = self.tokens = 0
         self.lags: list[float] = []  # send lags since the last progress snapshot
@@ -85,7 +94,22 @@ class OpenLoopDispatcher:
     # -- control ---------------------------------------------------------------------------------------------
 
     def start(self) -> None:
+        try:
+            self.endpoint.resolve()  # now rather than in the first request's send time
+        except OSError:
+            pass  # the requests will report it
         self._loop = gevent.spawn(self._run)
+        self._watchdog = gevent.spawn(self._watch)
+
+    def _watch(self) -> None:
+        """Fail requests that received nothing for ``request_timeout``."""
+        period = min(1.0, self.request_timeout / 4)
+        while not self.finished:
+            gevent.sleep(period)
+            now = time.perf_counter()
+            for index, res in list(self.results.items()):
+                if now - res.last_activity > self.request_timeout and index in self.inflight:
+                    self.inflight[index].kill(RequestTimeout, block=False)
 
     def stop(self) -> None:
         """End now: requests already due but not sent become ``not_sent``, requests in flight ``unfinished``."""
@@ -113,9 +137,7 @@ class OpenLoopDispatcher:
         try:
             for i, spec in enumerate(self.requests):
                 body = request_body(spec, self.builder, self.model)  # prepared before its time comes
-                delay = self.t0 + spec.at - time.perf_counter()
-                if delay > 0:
-                    gevent.sleep(delay)
+                self._wait_until(self.t0 + spec.at)
                 self.inflight[spec.index] = gevent.spawn(self._one, spec, body)
                 self.next = i + 1
                 gevent.sleep(0)  # let it start now, even when behind schedule
@@ -127,6 +149,17 @@ class OpenLoopDispatcher:
         except GreenletExit:
             pass
 
+    @staticmethod
+    def _wait_until(target: float) -> None:
+        """Sleep until ``target`` (perf_counter time). The event loop's timers are millisecond-grained and fire
+        late by up to a millisecond, so the last SPIN_S are spent yielding in a loop (other greenlets keep
+        running, and go first; it costs at most SPIN_S of CPU per request)."""
+        delay = target - time.perf_counter()
+        if delay > SPIN_S:
+            gevent.sleep(delay - SPIN_S)
+        while time.perf_counter() < target:
+            gevent.idle()  # runs when the loop has nothing else to do: arriving tokens are handled first
+
     def _kill_inflight(self) -> None:
         if self.inflight:
             gevent.killall(list(self.inflight.values()), block=True, timeout=10)
@@ -134,6 +167,8 @@ class OpenLoopDispatcher:
     def _finish(self) -> None:
         if not self.finished:
             self.finished = True
+            if self._watchdog is not None and self._watchdog is not gevent.getcurrent():
+                self._watchdog.kill(block=False)
             self.endpoint.close()
             self.on_finished()
 
@@ -146,6 +181,8 @@ class OpenLoopDispatcher:
 
     def _one(self, spec: RequestSpec, body: bytes) -> None:
         res = StreamResult(send_time=time.perf_counter())
+        res.last_activity = res.send_time
+        self.results[spec.index] = res
         lag = res.send_time - (self.t0 + spec.at)
         self.sent += 1
         self.lags.append(lag)
@@ -154,10 +191,13 @@ class OpenLoopDispatcher:
         killed = False
         try:
             stream_completion(self.endpoint, body, res, spec.output_len, {"X-Request-Id": rec.id})
+        except RequestTimeout:
+            res.error = f"timeout: nothing received for {self.request_timeout:g}s"
         except GreenletExit:
             killed = True
         finally:
             self.inflight.pop(spec.index, None)
+            self.results.pop(spec.index, None)
             off = self.offset
             rec.actual_send_time = res.send_time + off
             rec.token_times = [t + off for t in res.token_times]

@@ -49,7 +49,9 @@ class RequestRecord:
         return self.actual_send_time - self.intended_send_time
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        # by hand: dataclasses.asdict deep-copies token_times, milliseconds per record in the load process
+        d = {name: getattr(self, name) for name in _FIELDS}
+        d["token_times"] = list(self.token_times)
         d["send_lag"] = self.send_lag
         return d
 
@@ -72,7 +74,8 @@ class RequestRecord:
         return cls(**kw)
 
 
-COLUMNS = [f.name for f in dataclasses.fields(RequestRecord)] + ["send_lag"]
+_FIELDS = [f.name for f in dataclasses.fields(RequestRecord)]
+COLUMNS = _FIELDS + ["send_lag"]
 
 
 def _arrow_schema():

@@ -24,6 +24,7 @@ from loadtest.schedule import build_schedule
 
 LOCUSTFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "locustfile.py")
 STARTUP_ALLOWANCE_S = 60.0  # Locust start-up, workers connecting, the plan going out
+REALTIME_PRIORITY = 10  # SCHED_RR priority of the load processes with realtime=True (1..99; low among RT tasks)
 
 
 class LoadTestError(RuntimeError):
@@ -68,9 +69,44 @@ def _stop(proc: subprocess.Popen, grace: float) -> None:
         pass
 
 
+def _priority(nice: int, realtime: bool) -> Callable[[], None] | None:
+    """What a load process does before exec: lower its niceness and/or take a real-time (SCHED_RR) priority.
+    Without the privilege it keeps the normal priority (the summary says which it got)."""
+    if not nice and not realtime:
+        return None
+
+    def apply() -> None:
+        if nice:
+            try:
+                os.nice(nice)
+            except OSError:
+                pass
+        if realtime:
+            try:
+                os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(REALTIME_PRIORITY))
+            except (OSError, AttributeError):
+                pass
+    return apply
+
+
+def _scheduling(pid: int) -> str:
+    try:
+        policy = os.sched_getscheduler(pid)
+        nice = os.getpriority(os.PRIO_PROCESS, pid)
+    except (OSError, AttributeError):
+        return "unknown"
+    name = {getattr(os, "SCHED_RR", -1): "SCHED_RR", getattr(os, "SCHED_FIFO", -2): "SCHED_FIFO"}.get(policy)
+    return f"{name} priority {os.sched_getparam(pid).sched_priority}" if name else f"normal, nice {nice}"
+
+
 def run_loadtest(cfg: LoadConfig, workers: int = 1, on_progress: Callable[[dict], None] | None = None,
-                 timeout: float | None = None) -> dict:
+                 timeout: float | None = None, nice: int = 0, realtime: bool = False) -> dict:
     """Run the load test described by ``cfg`` with ``workers`` load processes; return the summary dict.
+
+    ``realtime`` (SCHED_RR) or a negative ``nice`` (both need the privilege) let the generator keep its schedule
+    when the server under test, or anything else, saturates this machine's CPUs: the generator uses little CPU
+    but needs it at the right moments. Niceness only counts against processes of the same cgroup; a real-time
+    priority counts against all ordinary processes.
 
     Writes ``<out>/records.parquet`` (or ``.csv``), ``<out>/summary.json`` and the Locust logs
     (``<out>/locust*.log``). Raises LoadTestError when no summary was produced."""
@@ -90,19 +126,21 @@ def run_loadtest(cfg: LoadConfig, workers: int = 1, on_progress: Callable[[dict]
     main_cmd, worker_cmds = locust_commands(cfg, workers)
     env = _child_env()
     procs: list[subprocess.Popen] = []
+    scheduling = "unknown"
     logs = []
     errors: list[str] = []
     try:
         main_log = open(os.path.join(cfg.out, "locust.log"), "w")
         logs.append(main_log)
+        # a session of their own: Ctrl-C reaches only us, and we stop Locust cleanly
         main = subprocess.Popen(main_cmd, stdout=subprocess.PIPE, stderr=main_log, env=env, text=True,
-                                start_new_session=True)  # Ctrl-C reaches us, and we stop Locust cleanly
+                                start_new_session=True, preexec_fn=_priority(nice, realtime))
         procs.append(main)
         for i, cmd in enumerate(worker_cmds):
             wlog = open(os.path.join(cfg.out, f"locust-worker-{i}.log"), "w")
             logs.append(wlog)
             procs.append(subprocess.Popen(cmd, stdout=wlog, stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True))
+                                          start_new_session=True, preexec_fn=_priority(nice, realtime)))
 
         def relay() -> None:
             assert main.stdout is not None
@@ -119,6 +157,7 @@ def run_loadtest(cfg: LoadConfig, workers: int = 1, on_progress: Callable[[dict]
                     main_log.write(line)
             main_log.flush()
 
+        scheduling = _scheduling(main.pid)
         reader = threading.Thread(target=relay, daemon=True)
         reader.start()
         try:
@@ -141,14 +180,19 @@ def run_loadtest(cfg: LoadConfig, workers: int = 1, on_progress: Callable[[dict]
         for f in logs:
             f.close()
     if not os.path.exists(summary_path):
-        tail = ""
         log_path = os.path.join(cfg.out, "locust.log")
+        tail = ""
         if os.path.exists(log_path):
             with open(log_path) as f:
                 tail = "".join(f.readlines()[-20:])
-        raise LoadTestError("; ".join(errors) or f"no summary written (see {log_path})" + ("\n" + tail if tail else ""))
+        reason = "; ".join(errors) or "no summary written"
+        raise LoadTestError(f"{reason} (see {log_path})" + ("\n" + tail if tail else ""))
     with open(summary_path) as f:
         summary = json.load(f)
+    summary["load_process_scheduling"] = scheduling
     if errors:
         summary.setdefault("warnings", []).extend(errors)
+    with open(summary_path, "w") as f:
+        json.dump(summary, f, indent=2)
+        f.write("\n")
     return summary

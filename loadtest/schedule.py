@@ -7,7 +7,6 @@ processes the schedule is split round-robin by request index: process ``rank`` o
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -81,6 +80,3 @@ def build_schedule(cfg: LoadConfig) -> Schedule:
     }
     return Schedule(requests, duration, meta)
 
-
-def take(iterable, n):  # small helper for tests
-    return list(itertools.islice(iterable, n))

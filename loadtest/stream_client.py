@@ -28,6 +28,7 @@ class StreamResult:
     send_time: float = math.nan  # clock() when the request started (before connecting); set here unless given
     token_times: list[float] = field(default_factory=list)  # clock() at each token's arrival
     finish_time: float = math.nan
+    last_activity: float = math.nan  # clock() of the last bytes received (or of the send)
     http_status: int = 0
     error: str = ""
     done: bool = False  # the response ended normally
@@ -42,7 +43,10 @@ def completions_path(url: str) -> str:
 class Endpoint:
     """Where requests go, with a small pool of idle keep-alive connections."""
 
-    def __init__(self, url: str, path: str | None = None, timeout: float = 120.0, max_idle_s: float = 2.0) -> None:
+    def __init__(self, url: str, path: str | None = None, timeout: float = 120.0, max_idle_s: float = 2.0,
+                 io_timeout: bool = True) -> None:
+        """``timeout``: connecting, and with ``io_timeout`` every send/receive too; without it a caller watches
+        ``StreamResult.last_activity`` (one timer per read costs more than the rest of handling a token)."""
         u = urlsplit(url if "://" in url else "http://" + url)
         if u.scheme not in ("http", "https"):
             raise ValueError(f"url must be http(s)://HOST:PORT, got {url!r}")
@@ -51,19 +55,29 @@ class Endpoint:
         self.port = u.port or (443 if self.tls else 80)
         self.path = path or completions_path(url)
         self.timeout = timeout
+        self.io_timeout = io_timeout
         self.max_idle_s = max_idle_s
         self._idle: list[tuple[float, socket.socket]] = []
+        self._addr: tuple | None = None
         self._ssl_ctx = ssl.create_default_context() if self.tls else None
         host_hdr = self.host if self.port in (80, 443) else f"{self.host}:{self.port}"
         self._head = (f"POST {self.path} HTTP/1.1\r\nHost: {host_hdr}\r\nContent-Type: application/json\r\n"
                       f"Accept: text/event-stream\r\nConnection: keep-alive\r\n")
 
+    def resolve(self) -> None:
+        """Look the host up once: under gevent every lookup is a trip through a thread pool, which would add
+        jitter to each request's send time."""
+        if self._addr is None:
+            infos = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+            self._addr = infos[0][4][:2]
+
     def connect(self) -> socket.socket:
-        sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+        self.resolve()
+        sock = socket.create_connection(self._addr, timeout=self.timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._ssl_ctx is not None:
             sock = self._ssl_ctx.wrap_socket(sock, server_hostname=self.host)
-        sock.settimeout(self.timeout)
+        sock.settimeout(self.timeout if self.io_timeout else None)
         return sock
 
     def acquire(self) -> tuple[socket.socket, bool]:
@@ -104,6 +118,7 @@ def stream_completion(endpoint: Endpoint, body: bytes, result: StreamResult, max
     req = endpoint.request_bytes(body, headers)
     if math.isnan(result.send_time):
         result.send_time = clock()
+    result.last_activity = result.send_time
     sock = None
     try:
         for attempt in (0, 1):
@@ -155,6 +170,7 @@ def _read_response(sock: socket.socket, result: StreamResult, max_tokens: int | 
                 raise _StaleConnection() from None
             raise
         now = clock()
+        result.last_activity = now
         if not data:
             if not got_any:
                 raise _StaleConnection()
@@ -190,11 +206,18 @@ def _read_response(sock: socket.socket, result: StreamResult, max_tokens: int | 
     return parser.complete and parser.keep_alive
 
 
-def _on_event(data: str, now: float, result: StreamResult, max_tokens: int | None) -> bool:
+_FAST_TOKEN = b'"finish_reason":null'
+
+
+def _on_event(data: bytes, now: float, result: StreamResult, max_tokens: int | None) -> bool:
     """Handle one SSE event; returns True for the final ``[DONE]``. Each event with a choice is one token,
     except an empty closing event (no text, a finish_reason) once all requested tokens have arrived."""
-    if data == "[DONE]":
+    if data == b"[DONE]":
         return True
+    # fast path for the common event (a choice, not the last token, no error): no JSON parsing
+    if _FAST_TOKEN in data and b'"choices":[{' in data and b'"error"' not in data and b'"usage":{' not in data:
+        result.token_times.append(now)
+        return False
     try:
         obj = json.loads(data)
     except ValueError:

@@ -172,7 +172,7 @@ def summarize(records: Any, slo: SLO | None = None, duration_s: float | None = N
     if out["send_lag_p99"] is not None and out["send_lag_p99"] > lag_warn:
         warnings.append(f"the generator could not keep up: send lag p99 {format_duration(out['send_lag_p99'])} "
                         f"> {format_duration(lag_warn)} (latencies still count from the intended send times; "
-                        f"use more --workers or a lower rate)")
+                        f"give the load processes CPU: --realtime, more --workers, or a lower rate)")
     if out["not_sent"]:
         warnings.append(f"{out['not_sent']} requests were due but never sent (the run was stopped early)")
     if out["unfinished"]:

@@ -70,6 +70,8 @@ class StubServer:
                 if s.writer.is_closing():
                     s.done.set_result(False) if not s.done.done() else None
                     continue
+                if self.record:
+                    s.times.append(time.time())  # before the write: the client can't see a token before this
                 s.remaining -= 1
                 last = s.remaining == 0
                 ev = (b'data: {"id":"cmpl-%s","object":"text_completion","model":"stub","choices":[{"index":0,'
@@ -84,8 +86,6 @@ class StubServer:
                     s.writer.write(_chunk(ev + tail + b"data: [DONE]\n\n") + b"0\r\n\r\n")
                 else:
                     s.writer.write(_chunk(ev))
-                if self.record:
-                    s.times.append(time.time())
                 if last:
                     s.done.set_result(True)
                 else:
