@@ -1,0 +1,92 @@
+"""`tune` bad input: an error naming the flag or field, exit code 2, no traceback, and no engine started."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tuner.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    return int(info.value.code or 0), capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--slo-p99-tbt", "fast"], "argument --slo-p99-tbt: not a duration: 'fast'"),
+    (["--slo-p99-tbt", "-5ms"], "argument --slo-p99-tbt"),
+    (["--slo-p99-ttft", "2 parsecs"], "argument --slo-p99-ttft: not a duration"),
+    (["--trial-duration", "0s"], "argument --trial-duration: must be > 0"),
+    (["--trials", "0"], "argument --trials: must be >= 1"),
+    (["--trials", "many"], "argument --trials: must be an integer"),
+    (["--rate", "-1"], "argument --rate: must be > 0"),
+    (["--rate", "lots"], "argument --rate: must be requests/s"),
+    (["--sampler", "cmaes"], "argument --sampler: invalid choice"),
+    (["--objective", "latency"], "argument --objective: invalid choice"),
+    (["--storage", "studies"], "argument --storage:"),
+    (["--storage", "nosuchdb://x/y"], "argument --storage: cannot open"),
+    (["--workload", "/nonexistent/trace.csv"], "argument --workload: no such file"),
+    (["--policy", "/nonexistent/policy.yaml"], "--policy /nonexistent/policy.yaml: cannot read"),
+    (["--apply"], "argument --apply: needs --engine-url"),
+    (["--admin-token", "t"], "argument --admin-token: only with --engine-url"),
+    (["--engine-url", "http://127.0.0.1:1"], "argument --admin-token: required with --engine-url"),
+    (["--engine-url", "localhost:8000", "--admin-token", "t"], "argument --engine-url: must be an http(s) URL"),
+    (["--model", "/nonexistent/model.gguf"], "argument --model: no such file"),
+    (["--out", "tuned.json"], "argument --out: must be a .yaml file"),
+])
+def test_bad_flags_name_the_flag(argv: list[str], words: str, capsys: pytest.CaptureFixture[str],
+                                 monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("SLOTUNE_ADMIN_TOKEN", raising=False)
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(argv, capsys)
+    assert code == 2
+    assert words in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "tune-study.db").exists()  # nothing was created
+
+
+def test_bad_policy_field_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    policy = tmp_path / "p.yaml"
+    policy.write_text("slo: {tbt_p99: 50ms}\nsearch_space:\n  max_num_seqs: {low: 4, high: 2}\n")
+    code, err = run_main(["--policy", str(policy)], capsys)
+    assert code == 2 and "search_space.max_num_seqs.low: must be <= high" in err and str(policy) in err
+
+
+def test_grid_sampler_needs_discrete_knobs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    policy = tmp_path / "p.yaml"
+    policy.write_text("slo: {tbt_p99: 50ms}\nsearch_space:\n  prefill_token_ratio: {low: 0.1, high: 1.0}\n")
+    code, err = run_main(["--policy", str(policy), "--sampler", "grid"], capsys)
+    assert code == 2 and "argument --sampler: grid: search_space.prefill_token_ratio" in err
+
+
+def test_console_scripts_exit_2_without_traceback(tmp_path: Path) -> None:
+    tune = shutil.which("tune") or str(Path(sys.executable).parent / "tune")
+    for cmd in ([tune, "--slo-p99-tbt", "abc"], [sys.executable, "-m", "slotune.cli", "tune", "--trials", "-3"]):
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr and "error: argument" in proc.stderr
+    helptext = subprocess.run([tune, "--help"], capture_output=True, text=True, timeout=60).stdout
+    for flag in ("--slo-p99-tbt", "--slo-p99-ttft", "--workload", "--rate", "--trials", "--trial-duration",
+                 "--sampler", "--objective", "--policy", "--storage", "--study-name", "--engine-url",
+                 "--admin-token", "--model", "--out", "--apply"):
+        assert flag in helptext
+
+
+def test_the_tuner_imports_neither_the_engine_nor_locust() -> None:
+    # the engine is reached over HTTP only; locust's gevent patching must stay in the load processes
+    code = ("import sys, tuner.cli, tuner.session, tuner.study, tuner.trial_runner, tuner.output; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'engine', 'torch', 'locust', 'gevent'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]"

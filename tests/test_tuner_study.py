@@ -1,0 +1,202 @@
+"""The study's plumbing on a cheap objective (no engine): storages, every sampler, constraints, the default trial,
+resume and sharing, capacity bisection; plus pruning and step statistics on hand-made data."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from loadtest.summary import SLO
+from policies import SAMPLERS, PruningSpec, load_policy
+from tuner.objective import evaluate_capacity
+from tuner.pruning import PruneWatcher, gaps_above, itl_buckets
+from tuner.study import (ROLE_DEFAULT, StorageError, best_trial, closest_trial, counted_trials, default_trial,
+                         enqueue_default, open_storage, open_study, recover_orphans, run_trials)
+from tuner.trial_runner import TrialOutcome, feasibility, step_stats
+
+DEFAULT_KNOBS = {"max_num_seqs": 64, "max_num_batched_tokens": 512, "chunk_size": None, "block_size": 16}
+
+
+@dataclass
+class CheapRunner:
+    """Stands in for the engine measurement only: p99 TBT grows with the batch and the prefill chunk, goodput with
+    the batch (up to the offered rate); the SLO is 50 ms."""
+
+    rate: float = 4.0
+    slo: SLO = field(default_factory=lambda: SLO(tbt_p99=0.050))
+    base_knobs: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_KNOBS))
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def run(self, knobs: dict[str, Any], out_dir: Path, rate: float | None = None,
+            prune: bool = True) -> TrialOutcome:
+        k = {**self.base_knobs, **knobs}
+        rate = self.rate if rate is None else rate
+        self.calls.append(k)
+        chunk = k["chunk_size"] or k["max_num_batched_tokens"]
+        tbt = 0.030 + 0.002 * k["max_num_seqs"] + 0.0001 * chunk
+        served = min(rate, 0.5 * k["max_num_seqs"])
+        attainment = served / rate if tbt <= self.slo.tbt_p99 else 0.1
+        summary = {"requests": 10, "completed": 10, "tbt_p99": tbt, "ttft_p99": 1.0, "e2e_p99": 2.0,
+                   "attainment": attainment, "goodput_rps": rate * attainment}
+        reason = feasibility(summary, self.slo)
+        return TrialOutcome(k, summary, step_stats([]), reason is None, reason, out_dir, rate=rate)
+
+
+def test_storage_specs(tmp_path: Path) -> None:
+    assert isinstance(open_storage(f"sqlite:///{tmp_path}/a.db"), optuna.storages.RDBStorage)
+    assert isinstance(open_storage(str(tmp_path / "b.db")), optuna.storages.RDBStorage)
+    assert isinstance(open_storage(f"journal:{tmp_path}/c.log"), optuna.storages.JournalStorage)
+    assert isinstance(open_storage(str(tmp_path / "d.journal")), optuna.storages.JournalStorage)
+    for bad, words in (("studies", "neither a database URL"), ("nosuchdb://x/y", "cannot open"),
+                       ("journal:", "needs a file"), ("postgresql://u:p@127.0.0.1:1/none", "cannot open")):
+        with pytest.raises(StorageError, match=words):
+            open_storage(bad)
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_every_sampler_runs_trials_with_constraints(tmp_path: Path, sampler: str) -> None:
+    policy = load_policy().replace(sampler=sampler, trials=6)
+    study = open_study(open_storage(str(tmp_path / "s.db")), "s", policy)
+    enqueue_default(study)
+    runner = CheapRunner()
+    reports = []
+    assert run_trials(study, runner, policy, 6, tmp_path, on_trial=reports.append) == 6
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 6
+    assert trials[0].user_attrs["role"] == ROLE_DEFAULT and trials[0].params == {}
+    assert runner.calls[0] == DEFAULT_KNOBS  # the default config measured first, as it is
+    for t in trials:
+        for key in ("knobs", "summary", "step_stats", "feasible", "reason", "trial_dir", "simulated"):
+            assert key in t.user_attrs
+        assert t.system_attrs["constraints"] == t.user_attrs["constraints"]  # what Optuna's samplers read
+        assert (t.user_attrs["constraints"][0] <= 0) == t.user_attrs["feasible"]
+        knobs = t.user_attrs["knobs"]
+        if (knobs["chunk_size"] or 0) and t.user_attrs.get("role") != ROLE_DEFAULT:
+            assert knobs["chunk_size"] <= knobs["max_num_batched_tokens"]  # the policy's constraints hold
+            assert knobs["max_num_seqs"] <= knobs["max_num_batched_tokens"]
+    assert not default_trial(study).user_attrs["feasible"]  # 64 sequences break the 50 ms target here
+    best = best_trial(study)
+    feasible_values = [t.values[0] for t in trials if t.user_attrs["feasible"]]
+    if feasible_values:
+        assert best is not None and best.values[0] == max(feasible_values)
+    else:
+        assert best is None and closest_trial(study) is not None
+    assert len(study.directions) == (2 if sampler == "nsga2" else 1)
+    assert [r.done for r in reports] == [1, 2, 3, 4, 5, 6]
+
+
+def test_tpe_finds_a_feasible_config_better_than_the_default(tmp_path: Path) -> None:
+    policy = load_policy().replace(trials=14)
+    study = open_study(open_storage(str(tmp_path / "s.db")), "s", policy)
+    enqueue_default(study)
+    run_trials(study, CheapRunner(), policy, 14, tmp_path)
+    best = best_trial(study)
+    assert best is not None and best.user_attrs["feasible"]
+    assert best.values[0] > default_trial(study).values[0]
+
+
+def test_resume_runs_only_the_missing_trials_and_recovers_a_dead_process(tmp_path: Path) -> None:
+    policy = load_policy().replace(trials=4)
+    storage = open_storage(str(tmp_path / "s.db"))
+    study = open_study(storage, "s", policy)
+    enqueue_default(study)
+    run_trials(study, CheapRunner(), policy, 2, tmp_path)
+    # a trial left RUNNING by a tune process that was killed (its pid no longer exists)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = study.ask()
+    orphan.set_user_attr("pid", dead.pid)
+    import socket
+    orphan.set_user_attr("host", socket.gethostname())
+    study = open_study(storage, "s", policy)  # the rerun
+    assert not enqueue_default(study)  # the default was measured already
+    runner = CheapRunner()
+    assert run_trials(study, runner, policy, 4, tmp_path) == 2
+    states = [t.state for t in study.get_trials()]
+    assert states.count(TrialState.COMPLETE) == 4 and states[orphan.number] == TrialState.FAIL
+    assert recover_orphans(study) == []
+
+
+def test_two_processes_share_a_study_without_duplicates(tmp_path: Path) -> None:
+    policy = load_policy().replace(trials=10)
+    path = f"journal:{tmp_path}/shared.journal"
+    first = open_study(open_storage(path), "shared", policy)
+    enqueue_default(first)
+    ran: list[int] = []
+
+    def worker() -> None:
+        study = open_study(open_storage(path), "shared", policy)  # each with its own storage object
+        ran.append(run_trials(study, CheapRunner(), policy, 10, tmp_path))
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    trials = first.get_trials()
+    assert sum(ran) == 10 and counted_trials(first) == 10 and len(trials) == 10
+    assert len({t.number for t in trials}) == 10
+    assert sum(t.user_attrs.get("role") == ROLE_DEFAULT for t in trials) == 1
+
+
+def test_capacity_bisects_the_rate(tmp_path: Path) -> None:
+    runner = CheapRunner(rate=1.0)
+    # max_num_seqs=6 serves 3 req/s within the SLO: attainment >= 90% up to 3.3 req/s
+    ev = evaluate_capacity(runner, {"max_num_seqs": 6, "max_num_batched_tokens": 64, "chunk_size": 32}, tmp_path,
+                           probes=4)
+    assert [p["rate"] for p in ev.probes] == [1.0, 2.0, 4.0, 3.0]
+    assert ev.value == 3.0 and ev.outcome.feasible and ev.constraints == [0.0]
+    none = evaluate_capacity(runner, {"max_num_seqs": 64}, tmp_path, probes=2)
+    assert none.value == 0.0 and not none.outcome.feasible and none.constraints[0] > 0
+
+
+def test_pruning_judges_the_window_share_above_the_target() -> None:
+    text = """# TYPE slotune_inter_token_latency_seconds histogram
+slotune_inter_token_latency_seconds_bucket{le="0.04"} %d
+slotune_inter_token_latency_seconds_bucket{le="0.05"} %d
+slotune_inter_token_latency_seconds_bucket{le="0.06"} %d
+slotune_inter_token_latency_seconds_bucket{le="+Inf"} %d
+slotune_inter_token_latency_seconds_count %d
+slotune_inter_token_latency_seconds_sum 1.0
+"""
+    before = itl_buckets(text % (100, 100, 100, 100, 100))
+    assert before[math.inf] == 100
+    after = itl_buckets(text % (150, 180, 190, 300, 300))
+    assert gaps_above(before, after, 0.050) == (200, 120)
+    assert gaps_above(before, after, 0.045) == (200, 120)  # the next bound up: a sure undercount
+    w = PruneWatcher(0.050, PruningSpec(min_gaps=150, violation_share=0.05, min_elapsed=0.3), window_s=20)
+    assert w.check(0.0, before) is None  # the baseline
+    assert w.check(2.0, after) is None  # too early in the window
+    reason = w.check(8.0, after)
+    assert reason is not None and "60.0% of 200 gaps" in reason
+    calm = PruneWatcher(0.050, PruningSpec(min_gaps=150), window_s=20)
+    calm.check(0.0, before)
+    assert calm.check(10.0, itl_buckets(text % (300, 399, 399, 400, 400))) is None  # 0.3% above: keep going
+    off = PruneWatcher(0.050, PruningSpec(enabled=False), window_s=20)
+    off.check(0.0, before)
+    assert off.check(10.0, after) is None
+
+
+def test_step_stats() -> None:
+    def rec(prefill: int, decode: int, seqs: int, used: int, total_s: float, pre: int = 0) -> dict[str, Any]:
+        return {"num_prefill_tokens": prefill, "num_decode_tokens": decode, "num_prefill_seqs": seqs,
+                "kv_blocks_used": used, "kv_blocks_free": 100 - used, "total_s": total_s, "num_preemptions": pre}
+    s = step_stats([rec(30, 2, 1, 10, 0.1), rec(0, 4, 0, 20, 0.05, pre=1), rec(10, 4, 2, 30, 0.2)])
+    assert s["steps"] == 3
+    assert s["mean_batch_seqs"] == pytest.approx((3 + 4 + 6) / 3)
+    assert s["mean_prefill_tokens"] == pytest.approx(40 / 3)
+    assert s["mean_decode_tokens"] == pytest.approx(10 / 3)
+    assert s["prefill_token_share"] == pytest.approx(40 / 50)
+    assert s["preemptions"] == 1
+    assert s["kv_usage_mean"] == pytest.approx(0.2) and s["kv_usage_max"] == pytest.approx(0.3)
+    assert s["step_duration_p50"] == pytest.approx(0.1)
+    assert step_stats([])["steps"] == 0

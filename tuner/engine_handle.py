@@ -1,0 +1,222 @@
+"""The tuner's view of an engine: its HTTP API only (GET/PATCH /admin/config, /debug/steps, /health, /metrics).
+
+:class:`EngineHandle` talks to a running engine. :class:`ManagedEngine` starts the default engine as a
+``slotune serve`` subprocess (free port, random admin token), restarts it when it dies, and always stops it:
+on exit, on Ctrl-C/SIGTERM (the caller's ``finally``), and on ``kill -9`` of the tuner (the child gets
+PR_SET_PDEATHSIG=SIGTERM, so the kernel stops it when its parent dies).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+STARTUP_TIMEOUT_S = 240.0
+_PR_SET_PDEATHSIG = 1
+
+
+class EngineError(RuntimeError):
+    """The engine cannot be reached, is dead, or answered something unexpected."""
+
+
+class ConfigRejected(ValueError):
+    """PATCH /admin/config answered 422: the knobs are not allowed (nothing was changed)."""
+
+    def __init__(self, message: str, knob: str | None = None) -> None:
+        super().__init__(message)
+        self.knob = knob
+
+
+@dataclass
+class EngineHandle:
+    url: str
+    admin_token: str | None = None
+    timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        self.url = self.url.rstrip("/")
+
+    def _headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return httpx.request(method, self.url + path, headers=self._headers(), timeout=self.timeout, **kwargs)
+        except httpx.HTTPError as error:
+            raise EngineError(f"{method} {self.url}{path}: {error or type(error).__name__}") from None
+
+    def health(self) -> dict[str, Any] | None:
+        """The /health body when the engine answers 200, else None."""
+        try:
+            r = httpx.get(self.url + "/health", timeout=5.0)
+        except httpx.HTTPError:
+            return None
+        return r.json() if r.status_code == 200 else None
+
+    def alive(self) -> bool:
+        return self.health() is not None
+
+    def get_config(self) -> dict[str, Any]:
+        """The applied knobs (GET /admin/config -> its "config")."""
+        return self._admin_json(self._request("GET", "/admin/config"))["config"]
+
+    def patch_config(self, knobs: dict[str, Any]) -> dict[str, Any]:
+        """Apply knobs live; returns the applied config. Raises ConfigRejected on 422."""
+        r = self._request("PATCH", "/admin/config", json=knobs)
+        if r.status_code == 422:
+            try:
+                err = r.json().get("error", {})
+                raise ConfigRejected(str(err.get("message") or r.text), err.get("param") or err.get("knob"))
+            except ValueError:
+                raise ConfigRejected(r.text) from None
+        return self._admin_json(r)["config"]
+
+    def _admin_json(self, r: httpx.Response) -> dict[str, Any]:
+        if r.status_code in (401, 403):
+            raise EngineError(f"{self.url}/admin/config refused the admin token ({r.status_code}): pass the "
+                              "engine's token with --admin-token")
+        if r.status_code != 200:
+            raise EngineError(f"{self.url}/admin/config answered {r.status_code}: {r.text[:200]}")
+        return r.json()
+
+    def steps(self, since: int = -1) -> tuple[list[dict[str, Any]], int]:
+        """Step records after step ``since`` (oldest first) and the engine's last step number."""
+        r = self._request("GET", "/debug/steps", params={"since": since})
+        if r.status_code != 200:
+            raise EngineError(f"{self.url}/debug/steps answered {r.status_code}")
+        body = r.json()
+        return body["steps"], int(body["last_step"])
+
+    def metrics_text(self) -> str:
+        r = self._request("GET", "/metrics")
+        if r.status_code != 200:
+            raise EngineError(f"{self.url}/metrics answered {r.status_code}")
+        return r.text
+
+    def model(self) -> str | None:
+        try:
+            r = self._request("GET", "/v1/models")
+            return r.json()["data"][0]["id"] if r.status_code == 200 else None
+        except (EngineError, ValueError, KeyError, IndexError):
+            return None
+
+    def wait_idle(self, timeout: float = 60.0, poll: float = 0.2) -> bool:
+        """Wait until nothing runs, waits or is preempted; False on timeout or a dead engine."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            h = self.health()
+            if h is not None and not (h.get("num_running") or h.get("num_waiting") or h.get("num_preempted")):
+                return True
+            time.sleep(poll)
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """preexec_fn of the engine: SIGTERM it when the tuner dies, even by kill -9 (Linux prctl)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class ManagedEngine:
+    """A ``slotune serve`` subprocess this tuner owns. Use as a context manager, or call start()/stop()."""
+
+    model: str | None = None
+    knobs: dict[str, Any] = field(default_factory=dict)
+    log_path: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    startup_timeout: float = STARTUP_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        self.token = secrets.token_urlsafe(24)
+        self.process: subprocess.Popen[bytes] | None = None
+        self.handle: EngineHandle | None = None
+        self.restarts = 0
+        if self.log_path is None:
+            self.log_path = tempfile.NamedTemporaryFile(prefix="slotune-tune-engine-", suffix=".log",
+                                                        delete=False).name
+
+    def command(self, port: int) -> list[str]:
+        cmd = [sys.executable, "-m", "slotune.cli", "serve", "--port", str(port), "--log-level", "warning",
+               "--max-waiting-requests", "100000"]
+        if self.model:
+            cmd += ["--model", self.model]
+        for k, v in self.knobs.items():
+            cmd += ["--" + k.replace("_", "-"), "none" if v is None else str(v).lower() if isinstance(v, bool)
+                    else str(v)]
+        return cmd + self.extra_args
+
+    def start(self) -> EngineHandle:
+        port = _free_port()
+        env = {**os.environ, "SLOTUNE_ADMIN_TOKEN": self.token, "TOKENIZERS_PARALLELISM": "false"}
+        with open(self.log_path, "ab") as log:  # type: ignore[arg-type]
+            # the token goes by environment, not argv (other users can read argv)
+            self.process = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                            start_new_session=True)  # Ctrl-C reaches the tuner, which stops it
+        self.handle = EngineHandle(f"http://127.0.0.1:{port}", self.token)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise EngineError(f"the engine exited with {self.process.returncode} while starting: "
+                                  f"{self.log_tail()}")
+            if self.handle.alive():
+                return self.handle
+            time.sleep(0.3)
+        self.stop()
+        raise EngineError(f"the engine did not become healthy in {self.startup_timeout:.0f}s: {self.log_tail()}")
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None and self.handle is not None \
+            and self.handle.alive()
+
+    def restart(self) -> EngineHandle:
+        self.stop()
+        self.restarts += 1
+        return self.start()
+
+    def stop(self, grace: float = 10.0) -> None:
+        p = self.process
+        if p is None or p.poll() is not None:
+            return
+        try:
+            p.send_signal(signal.SIGTERM)
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+        except ProcessLookupError:
+            pass
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])  # type: ignore
+        except OSError:
+            return ""
+
+    def __enter__(self) -> EngineHandle:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,114 @@
+"""What a trial's outcome means to the study: the objective value (goodput, or capacity), the SLO constraints
+(Optuna's ``constraints_func``: value <= 0 means met) and the knobs a study trial asks for."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import optuna
+
+from loadtest.summary import SLO
+from policies import Policy
+from tuner.trial_runner import TrialOutcome, TrialRunner
+
+CONSTRAINTS_ATTR = "constraints"  # the user attr constraints_func reads (Optuna stores its result in system attrs)
+FAILED_VIOLATION = 1.0  # seconds: what a trial with no measurement violates each target by
+CAPACITY_ATTAINMENT = 0.9  # DESIGN.md: capacity = the highest rate with attainment >= 90 %
+
+
+def suggest_knobs(trial: optuna.Trial, policy: Policy) -> dict[str, Any]:
+    """The searched knobs sampled from the policy's space, the fixed ones added, constraints repaired."""
+    knobs: dict[str, Any] = dict(policy.fixed)
+    for k in policy.search_space:
+        if policy.sampler == "grid" or k.choices is not None:
+            knobs[k.name] = trial.suggest_categorical(k.name, k.grid_values() if policy.sampler == "grid"
+                                                      else list(k.choices))  # type: ignore[arg-type]
+        elif k.kind is int:
+            knobs[k.name] = trial.suggest_int(k.name, int(k.low), int(k.high), log=k.log,  # type: ignore[arg-type]
+                                              step=int(k.step or 1))
+        else:
+            knobs[k.name] = trial.suggest_float(k.name, float(k.low), float(k.high), log=k.log,  # type: ignore
+                                                step=k.step)
+    return policy.repair(knobs)
+
+
+def slo_constraints(outcome: TrialOutcome, slo: SLO) -> list[float]:
+    """One value per SLO target: measured p99 minus target (seconds); > 0 = broken. A trial without a measurement
+    (rejected, crashed, timed out) or stopped early breaks every target (a pruned one at least a little)."""
+    targets = [(k, t) for k, t in (("tbt_p99", slo.tbt_p99), ("ttft_p99", slo.ttft_p99), ("e2e_p99", slo.e2e_p99))
+               if t is not None]
+    out = []
+    for key, target in targets:
+        value = outcome.summary.get(key) if outcome.summary else None
+        v = FAILED_VIOLATION if value is None else float(value) - target
+        if not outcome.feasible:
+            v = max(v, 1e-3) if key == "tbt_p99" or value is None else v
+        out.append(v)
+    if not outcome.feasible and all(v <= 0 for v in out):
+        out[0] = 1e-3  # infeasible for another reason (e.g. no request completed): still broken
+    return out
+
+
+def constraints_func(trial: optuna.trial.FrozenTrial) -> Sequence[float]:
+    return trial.user_attrs.get(CONSTRAINTS_ATTR, [FAILED_VIOLATION])
+
+
+def goodput(outcome: TrialOutcome) -> float:
+    v = outcome.summary.get("goodput_rps") if outcome.summary else None
+    return 0.0 if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+
+@dataclass
+class Evaluation:
+    """A measured trial: its outcome (for capacity, that of the highest attaining rate) and objective value."""
+
+    outcome: TrialOutcome
+    value: float
+    constraints: list[float]
+    probes: list[dict[str, Any]]
+
+
+def evaluate_goodput(runner: TrialRunner, knobs: dict[str, Any], out_dir: Path, prune: bool = True) -> Evaluation:
+    o = runner.run(knobs, out_dir, prune=prune)
+    assert isinstance(runner.slo, SLO)
+    return Evaluation(o, goodput(o), slo_constraints(o, runner.slo), [])
+
+
+def evaluate_capacity(runner: TrialRunner, knobs: dict[str, Any], out_dir: Path, probes: int = 3,
+                      on_probe: Callable[[float, TrialOutcome], None] | None = None) -> Evaluation:
+    """A short rate bisection: start at the runner's rate, double while attainment >= 90 %, else halve the
+    interval; capacity = the highest probed rate that attained (0 when none did)."""
+    assert isinstance(runner.slo, SLO)
+    lo, hi = 0.0, math.inf
+    rate = runner.rate
+    best: TrialOutcome | None = None
+    last: TrialOutcome | None = None
+    record = []
+    for i in range(probes):
+        o = runner.run(knobs, out_dir / f"probe-{i}", rate=rate)
+        att = o.summary.get("attainment") if o.summary else None
+        ok = att is not None and att >= CAPACITY_ATTAINMENT and not o.pruned  # capacity: attainment only
+        record.append({"rate": rate, "attainment": att, "dir": f"probe-{i}", "reason": o.reason})
+        if on_probe is not None:
+            on_probe(rate, o)
+        last = o
+        if ok:
+            lo, best = rate, o
+            rate = rate * 2 if math.isinf(hi) else (lo + hi) / 2
+        else:
+            hi = rate
+            if not o.summary and o.reason and o.reason.startswith("rejected"):
+                break  # the knobs themselves were refused: no rate will do
+            rate = (lo + hi) / 2 if lo > 0 else rate / 2
+    chosen = best or last
+    assert chosen is not None
+    chosen.feasible = best is not None
+    chosen.reason = None if best is not None else (
+        f"no probed rate attained {CAPACITY_ATTAINMENT:.0%} of requests (rates "
+        + ", ".join(f"{p['rate']:.3g}" for p in record) + ")")
+    constraints = [0.0 if best is not None else CAPACITY_ATTAINMENT - max(
+        (p["attainment"] or 0.0) for p in record)]
+    return Evaluation(chosen, lo, constraints, record)

@@ -1,0 +1,175 @@
+"""What ``tune`` leaves behind: ``tuned.yaml`` (loadable by ``slotune serve --config``), the equivalent
+``vllm serve`` flags, and an HTML report (plotly) of the study's trials."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import optuna
+import yaml
+
+from loadtest.durations import format_duration
+from tuner.study import feasible, measured
+
+# knob -> vLLM `serve` flag (DESIGN.md "Knobs"); knobs without a counterpart are listed as comments
+VLLM_FLAGS = {
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "chunk_size": "--long-prefill-token-threshold",
+    "block_size": "--block-size",
+    "num_kv_blocks": "--num-gpu-blocks-override",
+    "max_model_len": "--max-model-len",
+}
+HF_NAMES = {"SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+MEASURE_KEYS = ("goodput_rps", "goodput_tokens_per_s", "attainment", "tbt_p50", "tbt_p99", "ttft_p50", "ttft_p99",
+                "e2e_p99", "throughput_rps", "offered_rps", "requests", "completed")
+
+
+def measurement(summary: dict[str, Any] | None) -> dict[str, Any]:
+    return {k: (summary or {}).get(k) for k in MEASURE_KEYS}
+
+
+def vllm_model_name(model: str | None) -> str:
+    if not model:
+        return "MODEL"
+    base = Path(model).name.split(".Q")[0].removesuffix(".gguf")
+    return HF_NAMES.get(base, model)
+
+
+def vllm_command(knobs: dict[str, Any], model: str | None) -> str:
+    """The ``vllm serve`` command line with the same knobs (chunked prefill on: chunk_size needs it)."""
+    parts = ["vllm serve", vllm_model_name(model), "--enable-chunked-prefill"]
+    for knob, flag in VLLM_FLAGS.items():
+        if knobs.get(knob) is not None:
+            parts.append(f"{flag} {knobs[knob]}")
+    if "enable_prefix_caching" in knobs:
+        parts.append("--enable-prefix-caching" if knobs["enable_prefix_caching"] else "--no-enable-prefix-caching")
+    return " \\\n    ".join(parts)
+
+
+def vllm_notes(knobs: dict[str, Any]) -> list[str]:
+    notes = []
+    if knobs.get("prefill_token_ratio", 1.0) != 1.0:
+        notes.append(f"prefill_token_ratio={knobs['prefill_token_ratio']} has no vLLM flag (vLLM: no cap, 1.0)")
+    if knobs.get("preemption_mode", "recompute") != "recompute":
+        notes.append(f"preemption_mode={knobs['preemption_mode']}: vLLM v1 preempts by recompute only")
+    if knobs.get("kv_cache_bytes") is not None and knobs.get("num_kv_blocks") is None:
+        notes.append(f"KV pool {knobs['kv_cache_bytes']} bytes here; on a GPU size it with --gpu-memory-utilization")
+    return notes
+
+
+def write_vllm(path: Path, knobs: dict[str, Any], model: str | None) -> str:
+    text = vllm_command(knobs, model)
+    notes = vllm_notes(knobs)
+    path.write_text(text + "\n" + "".join(f"# {n}\n" for n in notes))
+    return text
+
+
+def write_tuned_yaml(path: Path, *, knobs: dict[str, Any], slo: dict[str, Any], workload: dict[str, Any],
+                     rate: float, rate_reason: str, objective: str, model: str | None, study_name: str,
+                     storage: str, tuned: optuna.trial.FrozenTrial, default: optuna.trial.FrozenTrial | None,
+                     remeasured: dict[str, Any] | None, vllm: str, report: Path, trials: int) -> None:
+    doc = {
+        "knobs": knobs,
+        "slo": {k: v for k, v in slo.items() if v is not None},
+        "slo_text": ", ".join(f"{k} <= {format_duration(v)}" for k, v in slo.items() if v is not None),
+        "workload": workload,
+        "rate_rps": rate,
+        "rate_reason": rate_reason,
+        "objective": objective,
+        "model": model,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "study": {"name": study_name, "storage": storage, "trials": trials, "best_trial": tuned.number},
+        "tuned": {"trial": tuned.number, "value": tuned.values[0], **measurement(tuned.user_attrs.get("summary"))},
+        "tuned_remeasured": measurement(remeasured) if remeasured else None,
+        "default": None if default is None else {
+            "trial": default.number, "value": default.values[0], "feasible": bool(default.user_attrs.get("feasible")),
+            "reason": default.user_attrs.get("reason"), "knobs": default.user_attrs.get("knobs"),
+            **measurement(default.user_attrs.get("summary"))},
+        "vllm_serve": vllm,
+        "report": str(report),
+    }
+    header = ("# Written by `tune`. Serve it with: slotune serve --config " + path.name + "\n"
+              "# (only the `knobs` section is read; the rest is the evidence: SLO, workload, rate, measurements)\n")
+    path.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=120))
+
+
+def write_report(path: Path, study: optuna.Study, slo: dict[str, Any], title: str,
+                 lines: list[str] | None = None) -> None:
+    """An HTML page: objective per trial with the best so far (feasible vs infeasible), p99 TBT against goodput with
+    the SLO line, and a table of the trials."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    trials = measured(study)
+    target_ms = (slo.get("tbt_p99") or 0) * 1000
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("objective per trial (best feasible so far)",
+                                                        "p99 TBT vs goodput"))
+    best, best_x, best_y = None, [], []
+    for t in sorted(trials, key=lambda t: t.number):
+        if feasible(t) and (best is None or t.values[0] > best):
+            best = t.values[0]
+        best_x.append(t.number)
+        best_y.append(best)
+    for ok, color, name in ((True, "#2ca02c", "feasible"), (False, "#d62728", "infeasible")):
+        sel = [t for t in trials if feasible(t) == ok]
+        text = [_hover(t) for t in sel]
+        fig.add_trace(go.Scatter(x=[t.number for t in sel], y=[t.values[0] for t in sel], mode="markers",
+                                 marker=dict(color=color, size=10, symbol="circle" if ok else "x"), name=name,
+                                 text=text, hoverinfo="text", legendgroup=name), row=1, col=1)
+        fig.add_trace(go.Scatter(x=[t.values[0] for t in sel],
+                                 y=[(t.user_attrs.get("summary") or {}).get("tbt_p99", None) and
+                                    t.user_attrs["summary"]["tbt_p99"] * 1000 for t in sel],
+                                 mode="markers", marker=dict(color=color, size=10, symbol="circle" if ok else "x"),
+                                 name=name, text=text, hoverinfo="text", legendgroup=name, showlegend=False),
+                      row=1, col=2)
+    fig.add_trace(go.Scatter(x=best_x, y=best_y, mode="lines", line=dict(shape="hv", color="#1f77b4"),
+                             name="best feasible so far"), row=1, col=1)
+    if target_ms:
+        fig.add_hline(y=target_ms, line_dash="dash", line_color="gray", row=1, col=2,
+                      annotation_text=f"SLO {target_ms:g} ms")
+    fig.update_xaxes(title_text="trial", row=1, col=1)
+    fig.update_yaxes(title_text="objective (req/s)", row=1, col=1)
+    fig.update_xaxes(title_text="goodput (req/s)", row=1, col=2)
+    fig.update_yaxes(title_text="p99 TBT (ms)", row=1, col=2)
+    fig.update_layout(title=title, height=520)
+    rows = "".join(_row(t) for t in sorted(trials, key=lambda t: t.number))
+    body = "".join(f"<p>{_esc(line)}</p>" for line in (lines or []))
+    html = (f"<html><head><meta charset='utf-8'><title>{_esc(title)}</title></head><body>"
+            f"<h1>{_esc(title)}</h1>{body}"
+            + fig.to_html(full_html=False, include_plotlyjs=True)
+            + "<h2>Trials</h2><table border=1 cellspacing=0 cellpadding=3><tr><th>#</th><th>role</th><th>knobs</th>"
+              "<th>objective</th><th>p99 TBT</th><th>p99 TTFT</th><th>attainment</th><th>feasible / why not</th></tr>"
+            + rows + "</table></body></html>")
+    path.write_text(html, encoding="utf-8")
+
+
+def _esc(s: Any) -> str:
+    return str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def short_knobs(knobs: dict[str, Any], names: list[str] | None = None) -> str:
+    abbrev = {"max_num_seqs": "seqs", "max_num_batched_tokens": "budget", "chunk_size": "chunk",
+              "block_size": "block", "prefill_token_ratio": "ratio", "preemption_mode": "preempt"}
+    names = names or list(abbrev)
+    return " ".join(f"{abbrev.get(k, k)}={knobs[k]}" for k in names if k in knobs)
+
+
+def _hover(t: optuna.trial.FrozenTrial) -> str:
+    s = t.user_attrs.get("summary") or {}
+    return (f"#{t.number} {short_knobs(t.user_attrs.get('knobs', {}))}<br>value {t.values[0]:.3f}"
+            f"<br>p99 TBT {format_duration(s.get('tbt_p99'))}<br>{t.user_attrs.get('reason') or 'feasible'}")
+
+
+def _row(t: optuna.trial.FrozenTrial) -> str:
+    s = t.user_attrs.get("summary") or {}
+    att = s.get("attainment")
+    cells = [t.number, t.user_attrs.get("role", "search"), short_knobs(t.user_attrs.get("knobs", {})),
+             f"{t.values[0]:.3f}", format_duration(s.get("tbt_p99")), format_duration(s.get("ttft_p99")),
+             "-" if att is None else f"{att:.0%}", "yes" if feasible(t) else t.user_attrs.get("reason")]
+    return "<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in cells) + "</tr>"
+
+
+__all__ = ["write_tuned_yaml", "write_report", "write_vllm", "vllm_command", "short_knobs", "measurement"]

@@ -1,0 +1,219 @@
+"""One ``tune`` run: engine (started or given), offered rate, the study's trials with a progress line each, the
+re-measure of the winner, and the outputs (tuned.yaml, vLLM flags, HTML report); ``--apply`` leaves the tuned
+knobs in the engine, otherwise a given engine gets its original config back."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+from loadtest.durations import format_duration
+from policies import Policy
+from tuner.engine_handle import EngineError, EngineHandle, ManagedEngine
+from tuner.output import short_knobs, write_report, write_tuned_yaml, write_vllm
+from tuner.study import (ROLE_DEFAULT, TrialReport, best_trial, choose_rate, closest_trial, counted_trials,
+                         default_trial, enqueue_default, open_study, recover_orphans, run_trials,
+                         study_name_for)
+from tuner.trial_runner import TrialOutcome, TrialRunner
+
+PROG = "tune"
+RATE_PROBE_WINDOW_S = 8.0  # measurement window of one --rate auto probe
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+class TuneSession:
+    def __init__(self, args: argparse.Namespace, policy: Policy, storage: optuna.storages.BaseStorage,
+                 token: str | None) -> None:
+        self.args = args
+        self.policy = policy
+        self.storage = storage
+        self.token = token
+        self.managed: ManagedEngine | None = None
+        self.handle: EngineHandle | None = None
+        self.original_config: dict[str, Any] | None = None
+        self.study_name = args.study_name or study_name_for(policy, policy.rate)
+        self.out = Path(args.out).resolve()
+        self.trials_dir = self.out.parent / f"{self.out.stem}-trials" / self.study_name
+        self.started = time.monotonic()
+        self.trial_seconds: list[float] = []
+        self.applied = False
+
+    # ---------------------------------------------------------------------------------------------- engine
+
+    def start_engine(self) -> EngineHandle:
+        if self.args.engine_url:
+            self.handle = EngineHandle(self.args.engine_url, self.token)
+            if not self.handle.alive():
+                raise EngineError(f"no engine answers at {self.args.engine_url}/health")
+            self.original_config = self.handle.get_config()  # also checks the token
+            return self.handle
+        model = f" --model {self.args.model}" if self.args.model else ""
+        say(f"{PROG}: starting the default engine (slotune serve{model}) ...")
+        self.managed = ManagedEngine(model=self.args.model,
+                                     log_path=str(self.trials_dir.parent / "engine.log"))
+        self.trials_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.handle = self.managed.start()
+        say(f"{PROG}: engine up at {self.handle.url} in {time.monotonic() - self.started:.0f}s "
+            f"(log: {self.managed.log_path})")
+        return self.handle
+
+    def close(self) -> None:
+        if self.handle is not None and self.original_config is not None and not self.applied:
+            try:  # a given engine gets back the config it had before the study
+                self.handle.patch_config(self.original_config)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+        if self.managed is not None:
+            self.managed.stop()
+
+    # ---------------------------------------------------------------------------------------------- run
+
+    def run(self) -> int:
+        p = self.policy
+        try:
+            handle = self.start_engine()
+        except EngineError as error:
+            print(f"{PROG}: error: {error}", file=sys.stderr)
+            return 1
+        model = handle.model()
+        runner = TrialRunner(self.managed or handle, workload=p.workload, rate=p.rate or 1.0,
+                             duration=p.trial_duration, warmup=p.warmup, slo=p.slo, pruning=p.pruning, seed=p.seed)
+        try:
+            study = open_study(self.storage, self.study_name, p)
+        except ValueError as error:
+            print(f"{PROG}: error: argument --study-name: {error}", file=sys.stderr)
+            return 2
+        rate, rate_reason = self.choose_rate(study, runner)
+        runner.rate = rate
+        attrs = {"slo": p.slo.as_dict(), "workload": p.workload.as_dict(), "rate": rate, "rate_reason": rate_reason,
+                 "objective": p.objective, "model": model, "policy": p.to_dict()}
+        for k, v in attrs.items():
+            study.set_user_attr(k, v)
+        recovered = recover_orphans(study)
+        if recovered:
+            say(f"{PROG}: trial(s) {', '.join(map(str, recovered))} of a run that died are marked failed and redone")
+        enqueue_default(study)
+        done_before = counted_trials(study)
+        say(f"{PROG}: study {self.study_name!r}: {p.trials} trials of {format_duration(p.trial_duration)} "
+            f"(+{format_duration(p.warmup)} warm-up) at {rate:.3g} req/s, {p.sampler} sampler, objective "
+            f"{p.objective}, SLO {self.slo_text()}" + (f"; resuming with {done_before} done" if done_before else ""))
+        if getattr(self.args, "screen", None):
+            # --screen N (the flag exists only when tuner.screening provides screen()): the simulator screens N
+            # configs and enqueues the best few into the study, which the trials below then confirm on the engine
+            from tuner.screening import screen
+            screen(study=study, policy=p, runner=runner, n=self.args.screen, out_dir=self.trials_dir)
+        try:
+            run_trials(study, runner, p, p.trials, self.trials_dir, on_trial=self.progress)
+        except EngineError as error:
+            print(f"{PROG}: error: {error}", file=sys.stderr)
+            return 1
+        return self.finish(study, runner, model, rate, rate_reason)
+
+    def choose_rate(self, study: optuna.Study, runner: TrialRunner) -> tuple[float, str]:
+        stored = study.user_attrs.get("rate")
+        if stored is not None:
+            return float(stored), str(study.user_attrs.get("rate_reason", "")) + " (from the resumed study)"
+        if self.policy.rate is not None:
+            return self.policy.rate, "given (--rate or the policy)"
+        say(f"{PROG}: --rate auto: probing the default config ...")
+        probe = TrialRunner(runner.engine, workload=runner.workload, rate=1.0, duration=RATE_PROBE_WINDOW_S,
+                            warmup=min(2.0, self.policy.warmup), slo=runner.slo, pruning=None, seed=runner.seed,
+                            base_knobs=runner.base_knobs)
+        choice = choose_rate(probe, self.trials_dir / "rate-auto",
+                             on_probe=lambda r, o: say(f"  probe {r:.3g} req/s: {self.describe(o)}"))
+        say(f"{PROG}: rate {choice.rate:.3g} req/s: {choice.reason}")
+        return choice.rate, choice.reason
+
+    def slo_text(self) -> str:
+        return ", ".join(f"{k} <= {format_duration(v)}" for k, v in self.policy.slo.as_dict().items() if v is not None)
+
+    @staticmethod
+    def describe(o: TrialOutcome) -> str:
+        s = o.summary or {}
+        att = s.get("attainment")
+        return (f"goodput {s.get('goodput_rps') or 0.0:.2f} req/s, p99 TBT {format_duration(s.get('tbt_p99'))}, "
+                f"p99 TTFT {format_duration(s.get('ttft_p99'))}, attainment {'-' if att is None else f'{att:.0%}'}, "
+                + ("feasible" if o.feasible else f"infeasible: {o.reason}"))
+
+    def progress(self, r: TrialReport) -> None:
+        self.trial_seconds.append(r.seconds)
+        left = max(0, r.total - r.done) * (sum(self.trial_seconds) / len(self.trial_seconds))
+        best = "none feasible yet" if r.best is None else f"{r.best.values[0]:.2f} (#{r.best.number})"
+        names = [k.name for k in self.policy.search_space]
+        knobs = "default config" if r.role == ROLE_DEFAULT else short_knobs(r.outcome.knobs, names)
+        value = f"capacity {r.value:.2f} req/s, " if self.policy.objective == "capacity" else ""
+        say(f"[{r.done}/{r.total}] #{r.number} {knobs} | {value}{self.describe(r.outcome)} | best {best} | "
+            f"{format_duration(r.seconds)}, ~{format_duration(left)} left")
+
+    # ---------------------------------------------------------------------------------------------- results
+
+    def finish(self, study: optuna.Study, runner: TrialRunner, model: str | None, rate: float,
+               rate_reason: str) -> int:
+        p = self.policy
+        report = self.out.with_suffix(".html")
+        best = best_trial(study)
+        default = default_trial(study)
+        title = f"tune: {self.study_name}"
+        lines = [f"SLO {self.slo_text()}; workload {p.workload.name} (length x{p.workload.length_scale:g}) at "
+                 f"{rate:.3g} req/s; rate: {rate_reason}"]
+        if best is None:
+            closest = closest_trial(study)
+            write_report(report, study, p.slo.as_dict(), title, lines + ["No config met the SLO."])
+            n = len(study.trials)
+            msg = f"{PROG}: no config met the SLO ({self.slo_text()}) in {n} trial{'s' * (n != 1)} at {rate:.3g} req/s."
+            if closest is not None:
+                msg += (f"\n  closest (infeasible): trial #{closest.number} "
+                        f"{short_knobs(closest.user_attrs.get('knobs', {}))}: {closest.user_attrs.get('reason')}")
+            msg += (f"\n  try a looser target, a lower --rate, or more --trials; report: {report}")
+            print(msg, file=sys.stderr)
+            return 1
+        knobs = dict(best.user_attrs["knobs"])
+        say(f"{PROG}: best: trial #{best.number} {short_knobs(knobs)}: {p.objective} {best.values[0]:.2f} req/s"
+            + (f" vs default {default.values[0]:.2f}" if default is not None else ""))
+        # re-measure the winner (and, with --apply, leave it applied)
+        say(f"{PROG}: re-measuring the tuned config{' and applying it' if self.args.apply else ''} ...")
+        # at the rate the winner was measured at (capacity: its highest attaining rate)
+        confirm = runner.run(knobs, self.trials_dir / "remeasure", rate=best.user_attrs.get("rate") or rate)
+        say(f"  re-measured: {self.describe(confirm)}")
+        if self.args.apply:
+            assert self.handle is not None
+            applied = self.handle.patch_config(knobs)
+            self.applied = True
+            say(f"{PROG}: applied to {self.handle.url}: {short_knobs(applied)}")
+        vllm_path = self.out.with_suffix(".vllm.txt")
+        vllm = write_vllm(vllm_path, knobs, model)
+        write_tuned_yaml(self.out, knobs=knobs, slo=p.slo.as_dict(), workload=p.workload.as_dict(), rate=rate,
+                         rate_reason=rate_reason, objective=p.objective, model=model, study_name=self.study_name,
+                         storage=str(getattr(self.storage, "url", type(self.storage).__name__)), tuned=best,
+                         default=default, remeasured=confirm.summary, vllm=vllm, report=report,
+                         trials=len(study.trials))
+        d = default.user_attrs.get("summary", {}) if default is not None else {}
+        lines += [f"tuned (trial #{best.number}): {short_knobs(knobs)}: {self.describe(_as_outcome(best))}",
+                  f"tuned, re-measured: {self.describe(confirm)}"]
+        if default is not None:
+            lines.append(f"default (trial #{default.number}): {self.describe(_as_outcome(default))}")
+        write_report(report, study, p.slo.as_dict(), title, lines)
+        say(f"{PROG}: wrote {self.out} (serve it: slotune serve --config {self.out}), {report}, {vllm_path}")
+        say(f"  vLLM: {vllm.replace(chr(92) + chr(10) + '    ', '')}")
+        if d:
+            ratio = best.values[0] / default.values[0] if default is not None and default.values[0] > 0 else None
+            say(f"  {p.objective} tuned {best.values[0]:.2f} req/s vs default {default.values[0]:.2f} req/s"  # type: ignore
+                + (f" ({ratio:.2f}x)" if ratio else "") + f"; p99 TBT tuned "
+                f"{format_duration(best.user_attrs['summary'].get('tbt_p99'))} vs default "
+                f"{format_duration(d.get('tbt_p99'))}")
+        say(f"{PROG}: done in {format_duration(time.monotonic() - self.started)}")
+        return 0
+
+
+def _as_outcome(t: optuna.trial.FrozenTrial) -> TrialOutcome:
+    a = t.user_attrs
+    return TrialOutcome(a.get("knobs", {}), a.get("summary", {}), a.get("step_stats", {}), bool(a.get("feasible")),
+                        a.get("reason"), None)

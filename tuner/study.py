@@ -1,0 +1,322 @@
+"""The Optuna study of ``tune``: storage (SQLite file, any RDB URL, or a journal file), sampler, the trial loop
+shared safely by several processes, the choice of the offered rate (``--rate auto``) and the best trial.
+
+Several ``tune`` processes may share one study (an RDB or journal storage) against several engines: each counts
+the study's finished and running trials before it asks for the next one, so together they run the requested
+number. A rerun with the same study name resumes: finished trials are kept, trials of a process that died are
+marked failed and run again, and the default config (enqueued as the first trial) is measured once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import optuna
+from optuna.trial import TrialState
+
+from loadtest.summary import SLO
+from policies import Policy
+from tuner.objective import (CONSTRAINTS_ATTR, Evaluation, constraints_func, evaluate_capacity, evaluate_goodput,
+                             suggest_knobs)
+from tuner.trial_runner import TrialOutcome, TrialRunner, check_stop
+
+DEFAULT_STORAGE = "sqlite:///tune-study.db"
+ROLE_DEFAULT = "default"
+# constraints_func is what the interface with the dashboard names (system attr "constraints"); Optuna 5 prefers
+# Trial.set_constraint but keeps it. Experimental-feature notices are noise on a tune progress screen.
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"optuna\..*")
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+class StorageError(ValueError):
+    """A --storage value that cannot be used; the message says why."""
+
+
+def open_storage(spec: str | None) -> optuna.storages.BaseStorage:
+    """``None`` -> ./tune-study.db; ``sqlite:///F``/``postgresql://...`` (any SQLAlchemy URL) -> RDBStorage;
+    ``journal:PATH`` or ``PATH.journal`` -> JournalStorage on a file; ``PATH.db``/``.sqlite`` -> SQLite file."""
+    spec = spec or DEFAULT_STORAGE
+    try:
+        if spec.startswith("journal:") or spec.endswith(".journal"):
+            path = spec[len("journal:"):] if spec.startswith("journal:") else spec
+            if not path:
+                raise StorageError("journal storage needs a file: journal:PATH")
+            Path(path).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+            from optuna.storages.journal import JournalFileBackend
+            return optuna.storages.JournalStorage(JournalFileBackend(str(Path(path).expanduser())))
+        if "://" not in spec:
+            if Path(spec).suffix.lower() in (".db", ".sqlite", ".sqlite3"):
+                spec = "sqlite:///" + str(Path(spec).expanduser().resolve())
+            else:
+                raise StorageError(f"{spec!r} is neither a database URL (sqlite:///FILE, postgresql://...) nor a "
+                                   "journal file (journal:PATH or PATH.journal) nor a .db file")
+        spec = _postgres_driver(spec)
+        if spec.startswith("sqlite:///"):
+            Path(spec[len("sqlite:///"):]).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+        # no heartbeats: the trial loop is ask/tell (Optuna beats only inside Study.optimize); trials of dead
+        # processes are found by recover_orphans
+        return optuna.storages.RDBStorage(spec, engine_kwargs={"pool_pre_ping": True}
+                                          if not spec.startswith("sqlite") else None)
+    except StorageError:
+        raise
+    except Exception as error:  # noqa: BLE001 - SQLAlchemy/driver errors come in many types
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise StorageError(f"cannot open {_masked(spec)!r}: {text}") from None
+
+
+def _masked(url: str) -> str:
+    """The URL without its password (error messages end up in logs)."""
+    try:
+        from sqlalchemy.engine import make_url
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not a URL at all
+        return url
+
+
+def _postgres_driver(url: str) -> str:
+    """``postgresql://`` means psycopg2 to SQLAlchemy; use psycopg (3), the driver slotune installs, when psycopg2
+    is absent."""
+    import importlib.util
+
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix) and importlib.util.find_spec("psycopg2") is None \
+                and importlib.util.find_spec("psycopg") is not None:
+            return "postgresql+psycopg://" + url[len(prefix):]
+    return url
+
+
+def make_sampler(policy: Policy, seed: int | None = None) -> optuna.samplers.BaseSampler:
+    seed = policy.seed if seed is None else seed
+    startup = max(2, min(10, policy.trials // 3))  # a short study must leave room for the model to guide it
+    if policy.sampler == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, constraints_func=constraints_func,
+                                          multivariate=True)
+    if policy.sampler == "gp":
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=startup, constraints_func=constraints_func)
+    if policy.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if policy.sampler == "grid":
+        return optuna.samplers.GridSampler({k.name: k.grid_values() for k in policy.search_space}, seed=seed)
+    if policy.sampler == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=seed, population_size=max(4, min(20, policy.trials // 2)),
+                                             constraints_func=constraints_func)
+    raise ValueError(f"unknown sampler {policy.sampler!r}")
+
+
+def directions(policy: Policy) -> list[str]:
+    # NSGA-II: the Pareto front of goodput against p99 TBT
+    return ["maximize", "minimize"] if policy.sampler == "nsga2" else ["maximize"]
+
+
+def open_study(storage: optuna.storages.BaseStorage, name: str, policy: Policy) -> optuna.Study:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(storage=storage, study_name=name, sampler=make_sampler(policy),
+                                directions=directions(policy), load_if_exists=True)
+    want = len(directions(policy))
+    if len(study.directions) != want:
+        raise StorageError(f"study {name!r} exists with {len(study.directions)} objective(s); the {policy.sampler} "
+                           f"sampler needs {want}: use another --study-name")
+    return study
+
+
+def recover_orphans(study: optuna.Study) -> list[int]:
+    """Mark failed the RUNNING trials of tune processes on this machine that no longer exist (kill -9), so their
+    slot is run again; returns their numbers. (A process that died on another machine leaves its trial RUNNING:
+    mark it with `optuna` tools, or start a new study name.)"""
+    failed = []
+    host = socket.gethostname()
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        pid, owner = t.user_attrs.get("pid"), t.user_attrs.get("host")
+        if owner != host or not isinstance(pid, int) or _pid_alive(pid):
+            continue
+        try:
+            study.tell(t.number, state=TrialState.FAIL)
+            failed.append(t.number)
+        except (RuntimeError, ValueError):
+            pass  # someone else got there first
+    return failed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (killed, not yet reaped by its parent) is dead too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def counted_trials(study: optuna.Study) -> int:
+    """Trials that use up the budget: finished (complete or pruned) and running ones."""
+    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
+                                                        TrialState.RUNNING)))
+
+
+def enqueue_default(study: optuna.Study) -> bool:
+    """Enqueue the engine's default config as the study's first trial (again if its run was lost). It asks for no
+    params, so samplers (the grid's included) ignore it; its knobs are the runner's base config."""
+    live = (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
+    if any(t.user_attrs.get("role") == ROLE_DEFAULT and t.state in live for t in study.get_trials(deepcopy=False)):
+        return False
+    study.enqueue_trial({}, user_attrs={"role": ROLE_DEFAULT})
+    return True
+
+
+def feasible(t: optuna.trial.FrozenTrial) -> bool:
+    return t.state == TrialState.COMPLETE and bool(t.user_attrs.get("feasible")) and all(
+        c <= 0 for c in t.user_attrs.get(CONSTRAINTS_ATTR, [1.0]))
+
+
+def measured(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if "knobs" in t.user_attrs]
+
+
+def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    """The feasible trial with the highest objective value (ties: lower p99 TBT); None when none is feasible."""
+    ok = [t for t in measured(study) if feasible(t)]
+    if not ok:
+        return None
+    return max(ok, key=lambda t: (t.values[0], -(t.user_attrs.get("summary", {}).get("tbt_p99") or 0.0)))
+
+
+def closest_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    """The infeasible trial nearest to the SLO (smallest total violation), for the 'no config meets it' report."""
+    trials = measured(study)
+    if not trials:
+        return None
+    return min(trials, key=lambda t: (sum(max(0.0, c) for c in t.user_attrs.get(CONSTRAINTS_ATTR, [1.0])),
+                                      -t.values[0]))
+
+
+def default_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
+    return next((t for t in measured(study) if t.user_attrs.get("role") == ROLE_DEFAULT), None)
+
+
+@dataclass
+class TrialReport:
+    """What the progress line shows about one finished trial."""
+
+    number: int
+    role: str
+    outcome: TrialOutcome
+    value: float
+    seconds: float
+    done: int
+    total: int
+    best: optuna.trial.FrozenTrial | None
+    probes: list[dict[str, Any]] = field(default_factory=list)
+
+
+def run_trials(study: optuna.Study, runner: TrialRunner, policy: Policy, n_trials: int, out_dir: Path,
+               on_trial: Callable[[TrialReport], None] | None = None, capacity_probes: int = 3,
+               deadline: float | None = None) -> int:
+    """Ask/run/tell until the study holds ``n_trials`` counted trials (or ``deadline``, a time.monotonic(), passes);
+    returns how many this process ran."""
+    ran = 0
+    recover_orphans(study)
+    while counted_trials(study) < n_trials:
+        check_stop()
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        trial = study.ask()
+        trial.set_user_attr("pid", os.getpid())
+        trial.set_user_attr("host", socket.gethostname())
+        role = trial.user_attrs.get("role", "search")
+        knobs = {} if role == ROLE_DEFAULT else suggest_knobs(trial, policy)
+        trial_dir = out_dir / f"trial-{trial.number:04d}"
+        started = time.monotonic()
+        try:
+            if policy.objective == "capacity":
+                ev: Evaluation = evaluate_capacity(runner, knobs, trial_dir, capacity_probes)
+            else:
+                # the default config is the baseline of the report: measured over the whole window
+                ev = evaluate_goodput(runner, knobs, trial_dir, prune=role != ROLE_DEFAULT)
+        except BaseException:
+            study.tell(trial, state=TrialState.FAIL)  # Ctrl-C/fatal error: the slot is run again on resume
+            raise
+        o = ev.outcome
+        attrs = {"knobs": o.knobs, "summary": o.summary, "step_stats": o.step_stats, "feasible": o.feasible,
+                 "reason": o.reason, "trial_dir": str(o.out_dir) if o.out_dir else "", "simulated": o.simulated,
+                 "pruned": o.pruned, "rate": o.rate, CONSTRAINTS_ATTR: ev.constraints}
+        if ev.probes:
+            attrs["capacity_probes"] = ev.probes
+        for k, v in attrs.items():
+            trial.set_user_attr(k, _jsonable(v))
+        if policy.sampler in ("random", "grid"):  # samplers without constraints_func: store them as the others do
+            trial.storage.set_trial_system_attr(trial._trial_id, CONSTRAINTS_ATTR, ev.constraints)
+        if policy.sampler == "nsga2":
+            tbt = o.summary.get("tbt_p99") if o.summary else None
+            values: list[float] = [ev.value, float(tbt) if tbt is not None else 60.0]
+        else:
+            values = [ev.value]
+        study.tell(trial, values)
+        ran += 1
+        if on_trial is not None:
+            on_trial(TrialReport(trial.number, role, o, ev.value, time.monotonic() - started,
+                                 counted_trials(study), n_trials, best_trial(study), ev.probes))
+    return ran
+
+
+def _jsonable(v: Any) -> Any:
+    return json.loads(json.dumps(v, default=str))
+
+
+# ------------------------------------------------------------------------------------------------ rate auto
+
+@dataclass
+class RateChoice:
+    rate: float
+    reason: str
+    probes: list[dict[str, Any]]
+
+
+def choose_rate(runner: TrialRunner, out_dir: Path, start: float = 1.0, max_probes: int = 3,
+                on_probe: Callable[[float, TrialOutcome], None] | None = None) -> RateChoice:
+    """An offered load at which the default config (the runner's base knobs) cannot fully serve within the SLO:
+    probe ``start`` req/s and double until the default's attainment drops below 90 % (or the probes run out)."""
+    assert isinstance(runner.slo, SLO)
+    probes = []
+    rate = start
+    for i in range(max_probes):
+        o = runner.run({}, out_dir / f"rate-probe-{i}", rate=rate)
+        att = o.summary.get("attainment") if o.summary else None
+        probes.append({"rate": rate, "attainment": att, "tbt_p99": o.summary.get("tbt_p99") if o.summary else None,
+                       "goodput_rps": o.summary.get("goodput_rps") if o.summary else None, "reason": o.reason})
+        if on_probe is not None:
+            on_probe(rate, o)
+        if att is None or att < 0.9:
+            how = "no request attained" if att is None else f"attainment {att:.0%} < 90%"
+            return RateChoice(rate, f"default config at {rate:.3g} req/s: {how} "
+                                    f"({o.reason or 'within the SLO'}); probes: {_probe_text(probes)}", probes)
+        rate *= 2
+    rate /= 2
+    return RateChoice(rate, f"the default config attained >= 90% up to {rate:.3g} req/s in {max_probes} probes; "
+                            f"using the highest probed rate ({_probe_text(probes)})", probes)
+
+
+def _probe_text(probes: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{p['rate']:.3g} req/s -> " + ("-" if p["attainment"] is None else f"{p['attainment']:.0%}")
+                     for p in probes)
+
+
+def study_name_for(policy: Policy, rate: float | None) -> str:
+    wl = Path(policy.workload.name).stem
+    r = "auto" if rate is None else f"{rate:g}rps"
+    return f"tune-{wl}-x{policy.workload.length_scale:g}-tbt{policy.slo.tbt_p99 * 1000:g}ms-{r}-{policy.objective}"
+
+
+def is_finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)

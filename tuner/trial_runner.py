@@ -1,0 +1,273 @@
+"""One trial on a live engine: wait until it is idle, apply the knobs (PATCH /admin/config), replay the workload
+(warm-up + measurement window) in Locust subprocesses, summarize the window from the records, attach the engine's
+step statistics, and write the trial folder:
+
+    records.parquet  the load test's records (warm-up included; the summary's ``window`` says what counts)
+    summary.json     loadtest.summary.summarize over the window
+    steps.jsonl      the engine's step records of the window (StepRecord.to_dict(), one per line)
+    trial.json       {"format": "slotune-trial/1", knobs, step_stats, feasible, reason, workload, rate, slo,
+                      started_at, simulated}
+
+A rejected config (422), a load test that fails or times out, and an engine that dies are infeasible trials with
+their reason (a dead engine this tuner started is restarted). A trial whose p99 TBT is clearly lost is stopped
+early (pruned) and recorded as infeasible. The engine is reached only over HTTP; locust is never imported here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+
+from loadtest.config import LoadConfig
+from loadtest.runner import LOCUSTFILE, LoadTestError, run_loadtest
+from loadtest.summary import SLO, summarize, write_summary
+from policies import PruningSpec, SLOTargets, WorkloadSpec
+from tuner.engine_handle import ConfigRejected, EngineError, EngineHandle, ManagedEngine
+from tuner.pruning import PruneWatcher, itl_buckets
+from tuner.step_stats import step_stats
+
+__all__ = ["TrialOutcome", "TrialRunner", "step_stats", "TRIAL_FORMAT", "feasibility"]
+
+TRIAL_FORMAT = "slotune-trial/1"
+
+# Set by tune's SIGINT/SIGTERM handler. The handler also raises KeyboardInterrupt, but an exception raised in a
+# signal handler can be swallowed (e.g. inside a fork hook); the flag is checked between the steps of a trial.
+STOP = threading.Event()
+
+
+def check_stop() -> None:
+    if STOP.is_set():
+        raise KeyboardInterrupt
+
+
+@dataclass
+class TrialOutcome:
+    knobs: dict[str, Any]          # every knob applied (full config, not only the searched ones)
+    summary: dict[str, Any]        # the loadtest summary dict (loadtest.summary.summarize), empty if none
+    step_stats: dict[str, float]   # see tuner.step_stats.STEP_STATS_KEYS
+    feasible: bool
+    reason: str | None             # why infeasible / failed (None when feasible)
+    out_dir: Path | None
+    simulated: bool = False
+    pruned: bool = False
+    rate: float | None = None
+
+
+def _slo(slo: SLOTargets | SLO | dict[str, Any]) -> SLO:
+    if isinstance(slo, SLO):
+        return slo
+    d = slo.as_dict() if isinstance(slo, SLOTargets) else dict(slo)
+    return SLO(d.get("tbt_p99"), d.get("ttft_p99"), d.get("e2e_p99"))
+
+
+def feasibility(summary: dict[str, Any], slo: SLO) -> str | None:
+    """None when the window's summary meets every SLO target, else why not."""
+    if not summary.get("requests"):
+        return "no requests in the measurement window"
+    if not summary.get("completed"):
+        return "no request completed"
+    for key, target, name in (("tbt_p99", slo.tbt_p99, "p99 TBT"), ("ttft_p99", slo.ttft_p99, "p99 TTFT"),
+                              ("e2e_p99", slo.e2e_p99, "p99 E2E")):
+        if target is None:
+            continue
+        value = summary.get(key)
+        if value is None or value > target:
+            shown = "-" if value is None else f"{value * 1000:.0f}ms"
+            return f"{name} {shown} > {target * 1000:g}ms"
+    return None
+
+
+@dataclass
+class TrialRunner:
+    """Runs trials against ``engine`` (an EngineHandle, or a ManagedEngine this tuner owns and may restart)."""
+
+    engine: EngineHandle | ManagedEngine
+    workload: WorkloadSpec | str = "mixed"
+    rate: float = 1.0
+    duration: float = 20.0
+    warmup: float = 3.0
+    slo: SLOTargets | SLO | dict[str, Any] = field(default_factory=lambda: SLO(tbt_p99=0.05))
+    pruning: PruningSpec | None = None
+    seed: int = 0
+    drain_timeout: float = 10.0
+    idle_timeout: float = 60.0
+    realtime: bool = True  # the load generator keeps its schedule while the engine saturates the CPUs
+    base_knobs: dict[str, Any] | None = None  # the config a trial's knobs are laid over (default: the engine's now)
+    on_progress: Callable[[dict[str, Any]], None] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.workload, str):
+            self.workload = WorkloadSpec(name=self.workload)
+        self.slo = _slo(self.slo)
+        if self.base_knobs is None:
+            self.base_knobs = self.handle.get_config()
+
+    @property
+    def handle(self) -> EngineHandle:
+        if isinstance(self.engine, ManagedEngine):
+            assert self.engine.handle is not None, "start the managed engine first"
+            return self.engine.handle
+        return self.engine
+
+    def load_config(self, rate: float, out_dir: Path) -> LoadConfig:
+        w = self.workload
+        assert isinstance(w, WorkloadSpec) and isinstance(self.slo, SLO)
+        extra: dict[str, Any] = {}
+        if w.mix:
+            extra["mix"] = w.mix
+        if w.mix_weights:
+            extra["mix_weights"] = w.mix_weights
+        return LoadConfig(url=self.handle.url, workload=w.name, rate=rate, duration=self.warmup + self.duration,
+                          length_scale=w.length_scale, time_scale=w.time_scale, max_context=w.max_context,
+                          trace_offset=w.trace_offset, seed=self.seed, slo_p99_tbt=self.slo.tbt_p99,
+                          slo_p99_ttft=self.slo.ttft_p99, slo_p99_e2e=self.slo.e2e_p99,
+                          drain_timeout=self.drain_timeout,
+                          request_timeout=max(30.0, self.drain_timeout), out=str(out_dir), **extra)
+
+    # ------------------------------------------------------------------------------------------------ trial
+
+    def run(self, knobs: dict[str, Any], out_dir: Path, rate: float | None = None,
+            prune: bool = True) -> TrialOutcome:
+        """Measure ``knobs`` (laid over the base config) at ``rate`` (default: the runner's); ``prune=False``
+        measures the whole window even when the SLO is lost (a baseline)."""
+        rate = self.rate if rate is None else rate
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("summary.json", "steps.jsonl", "trial.json"):  # a folder reused: no stale results
+            (out_dir / name).unlink(missing_ok=True)
+        started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        full = {**(self.base_knobs or {}), **knobs}
+        outcome = self._run(full, out_dir, rate, prune)
+        self._write_trial(outcome, started_at)
+        return outcome
+
+    def _fail(self, knobs: dict[str, Any], out_dir: Path, rate: float, reason: str,
+              summary: dict[str, Any] | None = None) -> TrialOutcome:
+        return TrialOutcome(knobs=knobs, summary=summary or {}, step_stats=step_stats([]), feasible=False,
+                            reason=reason, out_dir=out_dir, rate=rate)
+
+    def _ensure_engine(self) -> str | None:
+        """Restart a dead engine this tuner owns; returns what happened (None: it was alive)."""
+        if self.handle.alive():
+            return None
+        if isinstance(self.engine, ManagedEngine):
+            self.engine.restart()
+            return "the engine had died and was restarted"
+        # someone else's engine: give it a moment (it may be restarting), else give up the study
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            time.sleep(1)
+            if self.handle.alive():
+                return None
+        raise EngineError(f"the engine at {self.handle.url} is not answering /health")
+
+    def _run(self, knobs: dict[str, Any], out_dir: Path, rate: float, prune: bool) -> TrialOutcome:
+        check_stop()
+        self._ensure_engine()
+        if not self.handle.wait_idle(self.idle_timeout):
+            return self._fail(knobs, out_dir, rate, f"the engine did not become idle within {self.idle_timeout:.0f}s")
+        try:
+            applied = self.handle.patch_config(knobs)
+        except ConfigRejected as error:
+            return self._fail(knobs, out_dir, rate, f"rejected by the engine: {error}")
+        except EngineError as error:
+            return self._fail(knobs, out_dir, rate, f"could not apply the knobs: {error}")
+        knobs = dict(applied)
+        first_step = int((self.handle.health() or {}).get("last_step", -1))
+        cfg = self.load_config(rate, out_dir)
+        assert isinstance(self.slo, SLO)
+        watcher = PruneWatcher(self.slo.tbt_p99, self.pruning, self.duration) \
+            if prune and self.pruning is not None and self.pruning.enabled and self.slo.tbt_p99 else None
+        stopped: dict[str, float] = {}
+
+        def progress(p: dict[str, Any]) -> None:
+            if self.on_progress is not None:
+                self.on_progress(p)
+            if STOP.is_set():
+                _stop_locust()  # tune is stopping: end the load test now
+                return
+            if watcher is None or stopped:
+                return
+            elapsed = float(p.get("elapsed_s", 0.0)) - self.warmup
+            if elapsed < 0:
+                return
+            if watcher.check(elapsed, itl_buckets(self.handle.metrics_text())):
+                stopped["at"] = float(p.get("elapsed_s", 0.0))
+                _stop_locust()
+
+        load_error = None
+        try:
+            run_summary = run_loadtest(cfg, on_progress=progress, realtime=self.realtime,
+                                       timeout=60.0 + cfg.duration + self.drain_timeout + 30.0)
+        except LoadTestError as error:
+            load_error = str(error).splitlines()[0]
+            run_summary = None
+        if run_summary is not None and "interrupted" in run_summary.get("warnings", []):
+            raise KeyboardInterrupt  # the runner stopped Locust on Ctrl-C; the study must stop too
+        check_stop()
+        engine_note = None
+        try:
+            engine_note = self._ensure_engine()
+        except EngineError as error:
+            engine_note = str(error)
+        if engine_note is not None:
+            return self._fail(knobs, out_dir, rate, f"engine crashed during the trial ({engine_note})"
+                              + (f"; load test: {load_error}" if load_error else ""))
+        if run_summary is None:
+            return self._fail(knobs, out_dir, rate, f"load test failed: {load_error}")
+
+        # the window: [warmup, warmup + duration) of the schedule, cut short when pruned
+        end = min(self.warmup + self.duration, stopped.get("at", float("inf")))
+        records_path = out_dir / "records.parquet"
+        summary = summarize(str(records_path), slo=self.slo, window=(self.warmup, max(end, self.warmup + 1e-3)),
+                            meta={k: v for k, v in run_summary.items() if k != "warnings"},
+                            lag_warn=cfg.lag_warn)
+        write_summary(str(out_dir / "summary.json"), summary)
+        t0 = float(run_summary.get("start_time") or 0.0)
+        steps = self._window_steps(first_step, t0 + self.warmup, t0 + end)
+        with open(out_dir / "steps.jsonl", "w", encoding="utf-8") as f:
+            for r in steps:
+                f.write(json.dumps(r) + "\n")
+        stats = step_stats(steps)
+        if watcher is not None and watcher.reason:
+            return TrialOutcome(knobs, summary, stats, False, watcher.reason, out_dir, pruned=True, rate=rate)
+        reason = feasibility(summary, self.slo)
+        return TrialOutcome(knobs, summary, stats, reason is None, reason, out_dir, rate=rate)
+
+    def _window_steps(self, first_step: int, start: float, end: float) -> list[dict[str, Any]]:
+        try:
+            records, _ = self.handle.steps(first_step)
+        except EngineError:
+            return []
+        return [r for r in records if start <= r["start_time"] < end]
+
+    def _write_trial(self, o: TrialOutcome, started_at: str) -> None:
+        assert o.out_dir is not None and isinstance(self.workload, WorkloadSpec) and isinstance(self.slo, SLO)
+        if not (o.out_dir / "summary.json").exists():
+            write_summary(str(o.out_dir / "summary.json"), o.summary)
+        if not (o.out_dir / "steps.jsonl").exists():
+            (o.out_dir / "steps.jsonl").write_text("")
+        trial = {"format": TRIAL_FORMAT, "knobs": o.knobs, "step_stats": o.step_stats, "feasible": o.feasible,
+                 "reason": o.reason, "workload": self.workload.as_dict(), "rate": o.rate, "slo": self.slo.as_dict(),
+                 "started_at": started_at, "simulated": o.simulated, "pruned": o.pruned,
+                 "duration": self.duration, "warmup": self.warmup}
+        (o.out_dir / "trial.json").write_text(json.dumps(trial, indent=2) + "\n")
+
+
+def _stop_locust() -> None:
+    """SIGTERM the Locust processes this process started (the runner then collects what they wrote)."""
+    for child in psutil.Process(os.getpid()).children(recursive=False):
+        try:
+            if LOCUSTFILE in " ".join(child.cmdline()):
+                child.send_signal(signal.SIGTERM)
+        except (psutil.Error, OSError):
+            pass
