@@ -1,0 +1,165 @@
+"""Simulator fidelity: calibrate on the real engine, then on configs and workloads NOT used for calibration
+(including a real Azure trace, scaled) compare the simulator's prediction with a real `slotune loadtest` against
+`slotune serve`: throughput, p99 TBT, p99 TTFT. Target: within 10 % for throughput and p99 TBT.
+
+    python benchmarks/simulator_fidelity.py --out /tmp/fidelity            # calibrates first (~3 min)
+    python benchmarks/simulator_fidelity.py --out /tmp/fidelity --profile profile.json
+
+Writes OUT/fidelity.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from loadtest.config import LoadConfig  # noqa: E402
+from loadtest.runner import run_loadtest  # noqa: E402
+from tuner.calibrate import CalibrationPlan, calibrate  # noqa: E402
+from tuner.engine_handle import ManagedEngine  # noqa: E402
+from tuner.simulator import simulate_load  # noqa: E402
+from tuner.simulator_cli import limits_of  # noqa: E402
+from tuner.step_time_model import StepTimeModel  # noqa: E402
+
+TRACE = "/work/shared/traces/azure2023/AzureLLMInferenceTrace_conv.csv"
+CODE_TRACE = "/work/shared/traces/azure2023/AzureLLMInferenceTrace_code.csv"
+# (name, knobs, load options): none of these configs or workloads is in the calibration plan.
+CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    ("mixed x0.125, 6 seqs / 96 tok", {"max_num_seqs": 6, "max_num_batched_tokens": 96, "chunk_size": 48,
+                                        "block_size": 16},
+     {"workload": "mixed", "length_scale": 0.125, "rate": 0.8}),
+    ("mixed x0.125 overloaded, 12 seqs / 160 tok", {"max_num_seqs": 12, "max_num_batched_tokens": 160,
+                                                     "chunk_size": 32, "block_size": 32},
+     {"workload": "mixed", "length_scale": 0.125, "rate": 3.0}),
+    ("Azure conv x0.1, 8 seqs / 128 tok", {"max_num_seqs": 8, "max_num_batched_tokens": 128, "chunk_size": 64,
+                                            "block_size": 16},
+     {"workload": TRACE, "length_scale": 0.1, "max_context": 1024, "rate": 0.6, "trace_offset": 600.0}),
+    ("Azure code x0.05, 4 seqs / 64 tok", {"max_num_seqs": 4, "max_num_batched_tokens": 64, "chunk_size": 64,
+                                           "block_size": 8},
+     {"workload": CODE_TRACE, "length_scale": 0.05, "max_context": 1024, "rate": 0.6, "trace_offset": 600.0}),
+]
+METRICS = ("throughput_rps", "output_tokens_per_s", "tbt_p50", "tbt_p99", "ttft_p50", "ttft_p99", "goodput_rps")
+
+
+def rel(pred: float | None, real: float | None) -> float | None:
+    if pred is None or real is None or real == 0:
+        return None
+    return (pred - real) / real
+
+
+def load_config(n: int, load: dict[str, Any], duration: float, url: str, out: Path) -> LoadConfig:
+    return LoadConfig(url=url, duration=duration, slo_p99_tbt=0.1, drain_timeout=30.0, request_timeout=60.0,
+                      out=str(out / f"real{n}"), seed=7 + n, **load)
+
+
+def compare_case(name: str, knobs: dict[str, Any], load: dict[str, Any], cfg: LoadConfig, real: dict[str, Any],
+                 real_steps: list[dict[str, Any]], model: StepTimeModel) -> dict[str, Any]:
+    engine_knobs = {**EngineConfig().knobs(), **knobs}
+    _, sim = simulate_load(cfg, engine_knobs, model, limits=limits_of(model))
+    row: dict[str, Any] = {"case": name, "knobs": knobs, "load": load,
+                           "real": {m: real.get(m) for m in METRICS}, "sim": {m: sim.get(m) for m in METRICS},
+                           "error": {m: rel(sim.get(m), real.get(m)) for m in METRICS},
+                           "real_warnings": real.get("warnings"), "sim_warnings": sim.get("warnings")}
+    if real_steps:
+        # The same simulation with the step-time model refitted on this run's own steps: what is left is the
+        # scheduler / clock / HTTP structure, not the drift of the machine's speed since calibration.
+        for st in real_steps:
+            st["block_size"] = engine_knobs["block_size"]
+        refit = model.refit(real_steps)
+        _, sim_refit = simulate_load(cfg, engine_knobs, refit, limits=limits_of(model))
+        row.update(sim_refit={m: sim_refit.get(m) for m in METRICS},
+                   error_refit={m: rel(sim_refit.get(m), real.get(m)) for m in METRICS},
+                   real_step_median_s=float(np.median([st["total_s"] for st in real_steps])),
+                   predicted_step_median_s=float(np.median([model.predict_record(st) for st in real_steps])))
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--profile", default=None, help="use this profile instead of calibrating")
+    p.add_argument("--duration", type=float, default=60.0)
+    p.add_argument("--seconds-per-config", type=float, default=30.0)
+    p.add_argument("--cases", default=None, help="comma-separated case numbers (1-based) to run")
+    p.add_argument("--resimulate", action="store_true",
+                   help="no engine: simulate again (with --profile) against the real runs already in --out")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    numbered = list(enumerate(CASES))
+    if args.cases:
+        numbered = [numbered[int(i) - 1] for i in args.cases.split(",")]
+    warnings.simplefilter("ignore")  # extrapolation is listed in each row's sim_warnings
+    rows = []
+    if args.resimulate:
+        model = StepTimeModel.load(args.profile or out / "profile.json")
+        for n, (name, knobs, load) in numbered:
+            real_dir = out / f"real{n}"
+            if not (real_dir / "summary.json").exists():
+                continue
+            real = json.loads((real_dir / "summary.json").read_text())
+            steps_file = real_dir / "engine_steps.jsonl"
+            real_steps = [json.loads(line) for line in steps_file.read_text().splitlines()] \
+                if steps_file.exists() else []
+            rows.append(compare_case(name, knobs, load, load_config(n, load, args.duration, "", out), real,
+                                     real_steps, model))
+    else:
+        with ManagedEngine(log_path=str(out / "engine.log")) as handle:
+            if args.profile:
+                model = StepTimeModel.load(args.profile)
+            else:
+                t = time.time()
+                with tempfile.TemporaryDirectory() as tmp:
+                    model = calibrate(handle, CalibrationPlan(seconds_per_config=args.seconds_per_config),
+                                      Path(tmp), lambda s: print(s, file=sys.stderr, flush=True),
+                                      out / "profile.steps.jsonl")
+                model.save(out / "profile.json")
+                print(f"calibrated in {time.time() - t:.0f}s, fit error {model.fit_error}", file=sys.stderr)
+            base = handle.get_config()
+            for n, (name, knobs, load) in numbered:
+                handle.wait_idle(120)
+                handle.patch_config({**base, **knobs})
+                cfg = load_config(n, load, args.duration, handle.url, out)
+                _, last = handle.steps(10**12)
+                real = run_loadtest(cfg, realtime=True)
+                handle.wait_idle(120)
+                real_steps, _ = handle.steps(last)
+                (out / f"real{n}" / "engine_steps.jsonl").write_text("".join(json.dumps(st) + "\n"
+                                                                             for st in real_steps))
+                rows.append(compare_case(name, knobs, load, cfg, real,
+                                         real_steps, model))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    (out / ("fidelity-resimulated.json" if args.resimulate else "fidelity.json")).write_text(json.dumps(
+        {"profile": args.profile, "profile_fit_error": model.to_dict()["fit_error"], "rows": rows}, indent=2))
+    for sim_key, err_key, title in (("sim", "error", "calibrated profile"),
+                                    ("sim_refit", "error_refit", "step-time model refitted on the run's own steps")):
+        print(f"\n{title}\n")
+        print("| case | throughput real / sim (err) | p99 TBT real / sim (err) | p99 TTFT real / sim (err) |")
+        print("|---|---|---|---|")
+        for r in rows:
+            if sim_key not in r:
+                continue
+            cells = []
+            for m, unit, scale in (("throughput_rps", " req/s", 1), ("tbt_p99", " ms", 1000),
+                                   ("ttft_p99", " ms", 1000)):
+                a, b, e = r["real"][m], r[sim_key][m], r[err_key][m]
+                cells.append("-" if a is None or b is None or e is None else
+                             f"{a * scale:.3g} / {b * scale:.3g}{unit} ({e:+.0%})")
+            print(f"| {r['case']} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The step-time model: a fit that recovers known costs, honest held-out error, range warnings, files."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tuner.step_time_model import (FEATURES, ExtrapolationWarning, ProfileError, StepTimeModel, feature_row)
+
+TRUE = {"const": 0.02, "tokens": 4e-4, "seqs": 1e-3, "prefill_seqs": 2e-3, "context_tokens": 2e-6,
+        "context_blocks": 3e-5, "prefill_square": 1e-6, "swapped_blocks": 0.0}
+
+
+def synthetic_steps(n: int, seed: int = 0, noise: float = 0.0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    steps = []
+    for _ in range(n):
+        bs = int(rng.choice([8, 16, 32]))
+        pseqs = int(rng.integers(0, 4))
+        ptok = int(rng.integers(pseqs, 64 * pseqs + 1)) if pseqs else 0
+        dec = int(rng.integers(0 if pseqs else 1, 16))
+        ctx = ptok + dec * int(rng.integers(10, 400)) + int(rng.integers(0, 200))
+        row = feature_row(pseqs, ptok, dec, ctx, bs)
+        total = sum(TRUE[f] * v for f, v in zip(FEATURES, row)) * (1 + noise * rng.standard_normal())
+        steps.append({"num_prefill_seqs": pseqs, "num_prefill_tokens": ptok, "num_decode_tokens": dec,
+                      "context_tokens": ctx, "block_size": bs, "num_swapped_blocks": 0, "total_s": total})
+    return steps
+
+
+def test_fit_recovers_known_costs_and_reports_held_out_error() -> None:
+    model = StepTimeModel.fit(synthetic_steps(400))
+    for f in FEATURES:
+        assert model.coef[f] == pytest.approx(TRUE[f], rel=1e-4, abs=1e-9), f
+    assert model.fit_error is not None and model.fit_error.p90_rel < 1e-6 and model.fit_error.n > 40
+    assert model.predict(2, 40, 8, 1000, 16) == pytest.approx(
+        sum(TRUE[f] * v for f, v in zip(FEATURES, feature_row(2, 40, 8, 1000, 16))))
+    # The simulator's fast function gives the same numbers.
+    assert model.bind(16)(2, 40, 8, 1000, 0) == pytest.approx(model.predict(2, 40, 8, 1000, 16))
+
+
+def test_noisy_fit_error_is_measured_on_records_left_out() -> None:
+    model = StepTimeModel.fit(synthetic_steps(600, seed=1, noise=0.1))
+    assert model.fit_error is not None
+    assert 0.03 < model.fit_error.median_rel < 0.12  # ~ the noise's median absolute deviation (0.067)
+    assert all(v >= 0 for v in model.coef.values())
+
+
+def test_prediction_outside_the_profiled_range_warns_once_per_input() -> None:
+    model = StepTimeModel.fit(synthetic_steps(200))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.predict(1, 10, 4, 300, 16)  # inside: no warning
+        assert not caught
+        model.predict(1, 10, 500, 300, 16)
+        model.predict(1, 10, 900, 300, 16)  # the same input again: no second warning
+        model.predict(1, 10, 4, 300, 128)  # block size never profiled
+    messages = [str(w.message) for w in caught if issubclass(w.category, ExtrapolationWarning)]
+    assert len(messages) == 3  # num_decode_tokens, num_seqs (it grows with the decodes) and block_size
+    assert any("num_decode_tokens 500..500" in m for m in messages) and any("block_size" in m for m in messages)
+
+
+def test_profile_round_trips_and_bad_files_name_the_problem(tmp_path: Path) -> None:
+    model = StepTimeModel.fit(synthetic_steps(100), gap_s=0.004, token_latency_s=0.01)
+    path = tmp_path / "profile.json"
+    model.save(path)
+    again = StepTimeModel.load(path)
+    assert again.coef == model.coef and again.ranges == model.ranges and again.gap_s == 0.004
+    assert again.fit_error == model.fit_error
+    (tmp_path / "bad.json").write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(ProfileError, match="not a step-time profile"):
+        StepTimeModel.load(tmp_path / "bad.json")
+    with pytest.raises(ProfileError, match="cannot read"):
+        StepTimeModel.load(tmp_path / "missing.json")
+    with pytest.raises(ProfileError, match="too few"):
+        StepTimeModel.fit(synthetic_steps(5))
+
+
+def test_step_to_step_variation_is_kept_and_drawn_reproducibly() -> None:
+    model = StepTimeModel.fit(synthetic_steps(600, seed=2, noise=0.3))
+    assert model.noise == sorted(model.noise) and model.noise[0] < 0.7 and model.noise[-1] > 1.3
+    plain = model.bind(16, seed=None)(1, 10, 4, 300, 0)
+    draws = [model.bind(16, seed=5)(1, 10, 4, 300, 0) for _ in range(3)]
+    assert draws[0] == draws[1] == draws[2]  # a fresh function with the same seed: the same first draw
+    f = model.bind(16, seed=5)
+    sample = [f(1, 10, 4, 300, 0) for _ in range(400)]
+    assert max(sample) / min(sample) > 2  # the spread of the measured steps ...
+    true = sum(TRUE[k] * v for k, v in zip(FEATURES, feature_row(1, 10, 4, 300, 16)))
+    assert 0.85 < float(np.median(sample)) / true < 1.15  # ... around the true time, though the fit is biased low
+    assert plain < true
+    assert StepTimeModel.from_dict(model.to_dict()).noise == model.noise

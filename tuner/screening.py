@@ -1,0 +1,169 @@
+"""Screening: simulate many configs from a policy's search space, rank them by simulated goodput under the SLO,
+and confirm the best few on the engine (predicted against measured, side by side).
+
+    ranked = screen(policy, 1000, SimTrialRunner(model, ...))        # seconds to minutes
+    rows = confirm(ranked[:3], trial_runner, out_dir)                 # real trials of the best three
+    print(format_confirmation(rows))
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import optuna
+
+from policies import Policy
+from tuner.objective import goodput, suggest_knobs
+from tuner.simulator_trial import SimTrialRunner
+from tuner.trial_runner import TrialOutcome, TrialRunner
+
+COMPARED = ("goodput_rps", "throughput_rps", "tbt_p99", "ttft_p99", "attainment")
+
+
+@dataclass
+class Screened:
+    knobs: dict[str, Any]  # the searched (and fixed) knobs, constraints repaired
+    outcome: TrialOutcome  # simulated
+    params: dict[str, Any] = field(default_factory=dict)  # what the sampler drew (before repair), to enqueue
+
+    @property
+    def goodput(self) -> float:
+        return goodput(self.outcome)
+
+
+def sample_configs(policy: Policy, n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Up to ``n`` distinct configs drawn uniformly (log-uniformly where the policy says log) from the policy's
+    search space, by the tuner's own sampling code (tuner.objective.suggest_knobs) under Optuna's random sampler."""
+    return [knobs for knobs, _ in _sample(policy, n, seed)]
+
+
+def _sample(policy: Policy, n: int, seed: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+    seen: set[str] = set()
+    out: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    misses = 0
+    while len(out) < n and misses < 500:  # 500 repeats in a row: a small space is exhausted
+        trial = study.ask()
+        knobs = suggest_knobs(trial, policy)
+        key = json.dumps(knobs, sort_keys=True)
+        if key in seen:
+            misses += 1
+            continue
+        misses = 0
+        seen.add(key)
+        out.append((knobs, dict(trial.params)))
+    return out
+
+
+def rank(screened: list[Screened]) -> list[Screened]:
+    """Feasible configs first, by goodput (highest first); then the infeasible ones, by goodput."""
+    return sorted(screened, key=lambda s: (not s.outcome.feasible, -s.goodput))
+
+
+def sim_runner_like(runner: TrialRunner, profile: str | Path | None = None) -> SimTrialRunner:
+    """A simulated twin of a real TrialRunner: same workload, rate, window, SLO, seed and base config; step times
+    from ``profile`` (default: $SLOTUNE_PROFILE, else the shipped profile)."""
+    from tuner.simulator_cli import limits_of, profile_path
+    from tuner.step_time_model import StepTimeModel
+
+    model = StepTimeModel.load(profile_path(str(profile) if profile else None))
+    return SimTrialRunner(model, limits=limits_of(model), workload=runner.workload, rate=runner.rate,
+                          duration=runner.duration, warmup=runner.warmup, slo=runner.slo,  # type: ignore[arg-type]
+                          seed=runner.seed, base_knobs=dict(runner.base_knobs or {}))
+
+
+def screen(policy: Policy, n: int, runner: SimTrialRunner | TrialRunner, seed: int = 0,
+           progress: Callable[[int, int], None] | None = None, *, study: optuna.Study | None = None,
+           out_dir: Path | None = None, top: int = 3, profile: str | Path | None = None) -> list[Screened]:
+    """Simulate ``n`` configs sampled from ``policy``'s search space; ranked (see :func:`rank`).
+
+    ``runner`` is a SimTrialRunner, or the tuner's real TrialRunner (then its simulated twin, with ``profile``, runs
+    the configs). With ``study``, the ``top`` best are enqueued into it (user attrs ``role: "screened"``,
+    ``screen_rank``, ``screen_predicted``), so the study's next trials confirm them on the engine; with ``out_dir``,
+    the ranking goes to ``out_dir/screen.json``. Extrapolation warnings of the step-time model come once per input
+    for the whole screen, not once per config."""
+    sim = runner if isinstance(runner, SimTrialRunner) else sim_runner_like(runner, profile)
+    out: list[Screened] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")  # once per location: a warning per input, not per config
+        sampled = _sample(policy, n, seed)
+        for i, (knobs, params) in enumerate(sampled):
+            out.append(Screened(knobs, sim.run(knobs), params))
+            if progress is not None:
+                progress(i + 1, len(sampled))
+    ranked = rank(out)
+    if study is not None:
+        for i, s in enumerate(ranked[:top]):
+            study.enqueue_trial(s.params, user_attrs={"role": "screened", "screen_rank": i + 1,
+                                                      "screen_predicted": predicted(s.outcome)},
+                                skip_if_exists=True)
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "screen.json").write_text(json.dumps(
+            [{"knobs": s.knobs, "feasible": s.outcome.feasible, "reason": s.outcome.reason,
+              **predicted(s.outcome)} for s in ranked], indent=1) + "\n")
+    return ranked
+
+
+def predicted(outcome: TrialOutcome) -> dict[str, Any]:
+    """The compared quantities of a (simulated) outcome."""
+    summary = outcome.summary or {}
+    return {k: summary.get(k) for k in COMPARED}
+
+
+def screen_report(study: optuna.Study) -> str:
+    """Predicted (simulated) against measured for every screened trial the study has run, as a table."""
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        if t.user_attrs.get("role") != "screened" or "summary" not in t.user_attrs:
+            continue
+        p, m = t.user_attrs.get("screen_predicted") or {}, t.user_attrs.get("summary") or {}
+        rows.append((t.user_attrs.get("screen_rank"), t.user_attrs.get("knobs", {}), p, m))
+    return format_rows(rows)
+
+
+@dataclass
+class Confirmation:
+    knobs: dict[str, Any]
+    predicted: TrialOutcome
+    measured: TrialOutcome
+
+    def row(self) -> dict[str, Any]:
+        p, m = self.predicted.summary or {}, self.measured.summary or {}
+        return {"knobs": self.knobs, "predicted": {k: p.get(k) for k in COMPARED},
+                "measured": {k: m.get(k) for k in COMPARED}, "predicted_feasible": self.predicted.feasible,
+                "measured_feasible": self.measured.feasible, "measured_reason": self.measured.reason}
+
+
+def confirm(best: list[Screened], runner: TrialRunner, out_dir: Path) -> list[Confirmation]:
+    """Run each screened config as a real trial (tuner.trial_runner.TrialRunner) into ``out_dir/confirm-N``."""
+    return [Confirmation(s.knobs, s.outcome, runner.run(s.knobs, Path(out_dir) / f"confirm-{i}"))
+            for i, s in enumerate(best)]
+
+
+def format_confirmation(rows: list[Confirmation]) -> str:
+    """Predicted against measured goodput, p99 TBT and p99 TTFT of each confirmed config, as a table."""
+    return format_rows([(i + 1, c.knobs, predicted(c.predicted), predicted(c.measured)) for i, c in enumerate(rows)])
+
+
+def format_rows(rows: list[tuple[Any, dict[str, Any], dict[str, Any], dict[str, Any]]]) -> str:
+    def ms(v: Any) -> str:
+        return "-" if v is None else f"{v * 1000:.0f}ms"
+
+    def rps(v: Any) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    lines = [f"{'#':>2} {'config':<56} {'goodput sim/real':>17} {'p99 TBT sim/real':>18} {'p99 TTFT sim/real':>19}"]
+    short = {"max_num_seqs": "seqs", "max_num_batched_tokens": "tokens", "chunk_size": "chunk",
+             "block_size": "block", "prefill_token_ratio": "ratio"}
+    for rank_, knobs, p, m in rows:
+        cfg = " ".join(f"{short[k]}={knobs[k]}" for k in short if k in knobs)[:56]
+        lines.append(f"{rank_!s:>2} {cfg:<56} {rps(p.get('goodput_rps')) + ' / ' + rps(m.get('goodput_rps')):>17} "
+                     f"{ms(p.get('tbt_p99')) + ' / ' + ms(m.get('tbt_p99')):>18} "
+                     f"{ms(p.get('ttft_p99')) + ' / ' + ms(m.get('ttft_p99')):>19}")
+    return "\n".join(lines)

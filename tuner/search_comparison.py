@@ -1,0 +1,190 @@
+"""Search methods compared on the simulator, where many seeds are affordable: best feasible goodput against trials
+used, for TPE with constraints (the tuner's default), Optuna's GP sampler, random search, and a grid in the style of
+vLLM's ``benchmarks/auto_tune`` (every max_num_seqs x max_num_batched_tokens pair in order, other knobs default).
+
+Every config of the (finite) search space is simulated once up front, so each method's trial costs a table lookup,
+and the exhaustive optimum is known exactly. The samplers ask through the tuner's own code
+(tuner.objective.suggest_knobs, constraints repaired as in a real study) and get the SLO as Optuna constraints.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import statistics
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import optuna
+
+from policies import Policy
+from tuner.objective import goodput, slo_constraints, suggest_knobs
+from tuner.simulator_trial import SimTrialRunner
+from tuner.study import make_sampler
+
+METHODS = ("tpe", "gp", "random", "grid")
+
+
+@dataclass(frozen=True)
+class Point:
+    goodput: float
+    feasible: bool
+    constraints: tuple[float, ...]
+
+
+def key(knobs: dict[str, Any]) -> str:
+    return json.dumps(knobs, sort_keys=True)
+
+
+def space_configs(policy: Policy) -> list[dict[str, Any]]:
+    """Every config of the policy's space (integer ranges stepped by one), constraints repaired, deduplicated."""
+    axes = []
+    for k in policy.search_space:
+        if k.choices is not None:
+            axes.append([(k.name, v) for v in k.choices])
+        else:
+            step = int(k.step or 1)
+            axes.append([(k.name, v) for v in range(int(k.low), int(k.high) + 1, step)])  # type: ignore[arg-type]
+    out: dict[str, dict[str, Any]] = {}
+    for combo in itertools.product(*axes):
+        knobs = policy.repair({**policy.fixed, **dict(combo)})
+        out.setdefault(key(knobs), knobs)
+    return list(out.values())
+
+
+def evaluate_space(policy: Policy, runner: SimTrialRunner, extra: list[dict[str, Any]] = (),  # type: ignore
+                   progress: Callable[[int, int], None] | None = None) -> dict[str, Point]:
+    """Simulate every config of the space (and ``extra`` ones, e.g. the grid's) once."""
+    configs = space_configs(policy) + list(extra)
+    table: dict[str, Point] = {}
+    assert runner.slo is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # extrapolation is reported by the caller's own check, once
+        for i, knobs in enumerate(configs):
+            k = key(knobs)
+            if k not in table:
+                o = runner.run(knobs)
+                table[k] = Point(goodput(o), o.feasible, tuple(slo_constraints(o, runner.slo)))
+            if progress is not None:
+                progress(i + 1, len(configs))
+    return table
+
+
+def grid_configs(policy: Policy) -> list[dict[str, Any]]:
+    """vLLM auto_tune's loop: for each max_num_seqs, for each max_num_batched_tokens (the policy's grid values);
+    the other searched knobs stay at the engine's defaults."""
+    by_name = {k.name: k for k in policy.search_space}
+    seqs = by_name["max_num_seqs"].grid_values()
+    tokens = by_name["max_num_batched_tokens"].grid_values()
+    out = []
+    for s, t in itertools.product(seqs, tokens):
+        knobs = {**policy.fixed, "max_num_seqs": s, "max_num_batched_tokens": t}
+        if s <= t:  # the engine rejects more sequences than budget tokens; auto_tune would record a failure
+            out.append(knobs)
+    return out
+
+
+def run_method(method: str, policy: Policy, table: dict[str, Point], trials: int, seed: int,
+               grid: list[dict[str, Any]] | None = None) -> list[float]:
+    """Best feasible goodput after each trial (0 until a feasible one is found)."""
+    from tuner.objective import CONSTRAINTS_ATTR
+
+    best, curve = 0.0, []
+    if method == "grid":
+        for knobs in (grid or grid_configs(policy))[:trials]:
+            p = table[key(knobs)]
+            best = max(best, p.goodput) if p.feasible else best
+            curve.append(best)
+        return curve
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # experimental-feature notices
+        # The tuner's own sampler settings for a study of this many trials (tuner.study.make_sampler).
+        sampler = make_sampler(policy.replace(sampler=method, trials=trials), seed)
+        study = optuna.create_study(direction="maximize", sampler=sampler)
+        for _ in range(trials):
+            trial = study.ask()
+            p = table[key(suggest_knobs(trial, policy))]
+            trial.set_user_attr(CONSTRAINTS_ATTR, list(p.constraints))
+            study.tell(trial, p.goodput)
+            best = max(best, p.goodput) if p.feasible else best
+            curve.append(best)
+    return curve
+
+
+@dataclass
+class Comparison:
+    curves: dict[str, list[list[float]]]  # method -> one curve per seed
+    optimum: float  # the best feasible goodput of the whole space (exhaustive)
+    grid_best: float
+    space_size: int
+    trials: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def best_found(self) -> float:
+        return max(max(c[-1] for c in cs) for cs in self.curves.values())
+
+    def trials_to(self, method: str, share: float = 0.95) -> list[float]:
+        """Per seed: trials until the best feasible goodput reaches ``share`` of the best any method found
+        (inf when never)."""
+        target = share * self.best_found()
+        return [next((i + 1 for i, v in enumerate(c) if v >= target - 1e-12), math.inf) for c in self.curves[method]]
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"optimum": self.optimum, "best_found": self.best_found(), "grid_best": self.grid_best,
+                               "space_size": self.space_size, "trials": self.trials, **self.meta, "methods": {}}
+        for m, cs in self.curves.items():
+            t95 = self.trials_to(m)
+            finite = [t for t in t95 if math.isfinite(t)]
+            out["methods"][m] = {
+                "seeds": len(cs), "final_best_mean": statistics.fmean(c[-1] for c in cs),
+                "trials_to_95pct": t95, "trials_to_95pct_median": statistics.median(t95) if t95 else None,
+                "reached_95pct": f"{len(finite)}/{len(t95)}",
+                "beats_grid_best": f"{sum(c[-1] >= self.grid_best - 1e-12 for c in cs)}/{len(cs)}"}
+        return out
+
+
+def compare(policy: Policy, runner: SimTrialRunner, trials: int = 60, seeds: int = 5,
+            methods: tuple[str, ...] = METHODS, progress: Callable[[str], None] | None = None) -> Comparison:
+    grid = grid_configs(policy)
+    table = evaluate_space(policy, runner, grid)
+    feasible = [p.goodput for p in table.values() if p.feasible]
+    curves: dict[str, list[list[float]]] = {}
+    for m in methods:
+        runs = 1 if m == "grid" else seeds
+        curves[m] = [run_method(m, policy, table, trials if m != "grid" else len(grid), s, grid)
+                     for s in range(runs)]
+        if progress is not None:
+            progress(f"{m}: {runs} runs")
+    grid_points = [table[key(k)] for k in grid]
+    return Comparison(curves=curves, optimum=max(feasible, default=0.0),
+                      grid_best=max((p.goodput for p in grid_points if p.feasible), default=0.0),
+                      space_size=len(table), trials=trials,
+                      meta={"feasible_configs": len(feasible), "grid_size": len(grid)})
+
+
+def plot(comparison: Comparison, path: str) -> str:
+    """Best feasible goodput against trials (mean over seeds, min-max band), as a plotly HTML file."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    colors = {"tpe": "#1f77b4", "gp": "#2ca02c", "random": "#ff7f0e", "grid": "#7f7f7f"}
+    for m, cs in comparison.curves.items():
+        n = max(len(c) for c in cs)
+        xs = list(range(1, n + 1))
+        cols = [[c[min(i, len(c) - 1)] for c in cs] for i in range(n)]
+        mean = [statistics.fmean(v) for v in cols]
+        if len(cs) > 1:
+            fig.add_trace(go.Scatter(x=xs + xs[::-1], y=[max(v) for v in cols] + [min(v) for v in cols][::-1],
+                                     fill="toself", line={"width": 0}, fillcolor=colors.get(m, "#000"),
+                                     opacity=0.15, showlegend=False, hoverinfo="skip"))
+        fig.add_trace(go.Scatter(x=xs, y=mean, name=f"{m} ({len(cs)} seed{'s' if len(cs) > 1 else ''})",
+                                 line={"color": colors.get(m)}))
+    fig.add_hline(y=comparison.optimum, line_dash="dot", annotation_text="exhaustive optimum")
+    fig.add_hline(y=0.95 * comparison.best_found(), line_dash="dash", annotation_text="95% of best found")
+    fig.update_layout(title="Best feasible goodput vs trials (simulator)", xaxis_title="trials",
+                      yaxis_title="best feasible goodput (req/s)", template="plotly_white")
+    fig.write_html(path, include_plotlyjs="cdn")
+    return path

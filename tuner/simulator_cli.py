@@ -1,0 +1,122 @@
+"""``slotune simulate``: a load test on the simulator (the engine's scheduler and KV cache on a virtual clock, step
+times from a calibrated profile). Writes a trial folder (records.parquet, summary.json, steps.jsonl, trial.json with
+"simulated": true) and prints the same summary table as ``slotune loadtest``.
+
+    slotune simulate --max-num-seqs 8 --max-num-batched-tokens 128 --workload mixed --length-scale 0.125 \
+        --rate 2 --duration 5m --slo-p99-tbt 50ms --out sim/mixed
+    slotune simulate --config tuned.yaml --workload ../shared/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
+        --rate 1 --length-scale 0.125 --max-context 2048 --duration 1h --profile profile.json --out sim/conv
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from engine.cli import add_knob_arguments, knobs_from_args
+from engine.config import ConfigError, EngineConfig, ModelLimits
+from loadtest.config import OPTIONS, LoadConfig
+from loadtest.summary import SLO, format_summary_table
+from tuner.step_time_model import ProfileError, StepTimeModel
+
+DEFAULT_PROFILE = Path(__file__).with_name("default_profile.json")
+# Load-test flags that mean nothing without a server.
+_SKIPPED = {"model", "out", "records-format", "lag-warn"}
+
+
+def profile_path(given: str | None) -> Path:
+    """--profile, else $SLOTUNE_PROFILE, else the profile shipped for the default engine on a small CPU machine."""
+    return Path(given or os.environ.get("SLOTUNE_PROFILE") or DEFAULT_PROFILE)
+
+
+def limits_of(model: StepTimeModel) -> ModelLimits:
+    from tuner.simulator import DEFAULT_LIMITS
+
+    lim = model.meta.get("limits") or {}
+    return ModelLimits(max_context_len=int(lim.get("max_context_len", DEFAULT_LIMITS.max_context_len)),
+                       kv_bytes_per_token=int(lim.get("kv_bytes_per_token", DEFAULT_LIMITS.kv_bytes_per_token)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="slotune simulate", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="trial folder to write")
+    p.add_argument("--config", default=None, metavar="FILE.yaml", help="knobs from a YAML file (tuned.yaml); "
+                   "knob flags override it")
+    p.add_argument("--profile", default=None, help="step-time profile from `slotune calibrate` (default: "
+                   "$SLOTUNE_PROFILE, else the shipped profile of the default engine)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
+    for o in OPTIONS:
+        if o.flag not in _SKIPPED:
+            p.add_argument(f"--{o.flag}", default=o.default, help=o.help)
+    add_knob_arguments(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def fail(message: str) -> int:
+        print(f"slotune simulate: {message}", file=sys.stderr)
+        return 2
+
+    from engine.serve_cli import ConfigFileError, load_config_file
+
+    try:
+        knobs: dict[str, Any] = load_config_file(args.config) if args.config else {}
+    except ConfigFileError as error:
+        return fail(str(error))
+    knobs.update(knobs_from_args(args))
+    path = profile_path(args.profile)
+    try:
+        model = StepTimeModel.load(path)
+    except ProfileError as error:
+        return fail(f"--profile: {error}")
+    try:
+        cfg = LoadConfig.from_strings({k: v for k, v in vars(args).items() if k != "out"})
+    except ValueError as error:
+        return fail(str(error))
+
+    from tuner.simulator import simulate_load
+    from tuner.simulator_trial import write_trial_folder
+    from tuner.step_stats import step_stats
+    from tuner.trial_runner import TrialOutcome, feasibility
+
+    limits = limits_of(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            result, summary = simulate_load(cfg, {**EngineConfig().knobs(), **knobs}, model, limits=limits)
+        except ConfigError as error:
+            return fail(f"--{error.knob.replace('_', '-')}: {error}")
+        except (ValueError, OSError) as error:
+            return fail(str(error))
+    for w in caught:
+        print(f"slotune simulate: warning: {w.message}", file=sys.stderr)
+    slo = SLO(cfg.slo_p99_tbt, cfg.slo_p99_ttft, cfg.slo_p99_e2e)
+    summary["profile"] = str(path)
+    steps = result.step_dicts()
+    reason = feasibility(summary, slo) if slo.tbt_p99 or slo.ttft_p99 or slo.e2e_p99 else None
+    outcome = TrialOutcome(knobs=result.config.knobs(), summary=summary, step_stats=step_stats(steps),
+                           feasible=reason is None, reason=reason, out_dir=Path(args.out), simulated=True,
+                           rate=cfg.rate)
+    workload = {"name": cfg.workload, "length_scale": cfg.length_scale, "time_scale": cfg.time_scale,
+                "max_context": cfg.max_context, "mix": cfg.mix, "mix_weights": cfg.mix_weights}
+    write_trial_folder(Path(args.out), result, summary, outcome, workload, slo, steps,
+                       {"duration": cfg.duration, "warmup": 0.0, "profile": str(path)})
+    if args.json:
+        import json
+
+        print(json.dumps(summary, indent=2))
+    else:
+        print(format_summary_table(summary))
+        print(f"\nsimulated {len(steps)} steps in {result.wall_s:.2f}s; trial folder {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

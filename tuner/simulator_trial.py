@@ -1,0 +1,100 @@
+"""Simulated trials: the same TrialOutcome and trial folder as a real trial (tuner.trial_runner), with
+``"simulated": true``, from the simulator instead of a load test against the engine.
+
+    records.parquet, summary.json, steps.jsonl, trial.json  (see tuner/trial_runner.py)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from engine.config import ConfigError, EngineConfig, ModelLimits
+from loadtest.config import LoadConfig
+from loadtest.records import write_records
+from loadtest.summary import SLO, write_summary
+from policies import WorkloadSpec
+from tuner.simulator import DEFAULT_LIMITS, SimResult, StepTimer, simulate_load
+from tuner.step_stats import step_stats
+from tuner.trial_runner import TRIAL_FORMAT, TrialOutcome, feasibility
+
+
+def write_trial_folder(out_dir: Path, result: SimResult, summary: dict[str, Any], outcome: TrialOutcome,
+                       workload: dict[str, Any], slo: SLO, steps: list[dict[str, Any]] | None = None,
+                       extra: dict[str, Any] | None = None) -> None:
+    """records.parquet, summary.json, steps.jsonl and trial.json of a simulated run."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_records(str(out_dir / "records.parquet"), result.records, meta={k: v for k, v in summary.items()
+                                                                          if k != "warnings"})
+    write_summary(str(out_dir / "summary.json"), summary)
+    steps = steps if steps is not None else result.step_dicts()
+    with open(out_dir / "steps.jsonl", "w", encoding="utf-8") as f:
+        for s in steps:
+            f.write(json.dumps(s) + "\n")
+    trial = {"format": TRIAL_FORMAT, "knobs": outcome.knobs, "step_stats": outcome.step_stats,
+             "feasible": outcome.feasible, "reason": outcome.reason, "workload": workload, "rate": outcome.rate,
+             "slo": slo.as_dict(), "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+             "simulated": True, **(extra or {})}
+    (out_dir / "trial.json").write_text(json.dumps(trial, indent=2) + "\n")
+
+
+@dataclass
+class SimTrialRunner:
+    """TrialRunner's interface on the simulator: ``run(knobs, out_dir, rate)`` -> TrialOutcome (simulated).
+    The window is [warmup, warmup + duration) of the schedule, as in a real trial."""
+
+    timer: StepTimer
+    limits: ModelLimits = DEFAULT_LIMITS
+    workload: WorkloadSpec | str = "mixed"
+    rate: float = 1.0
+    duration: float = 20.0
+    warmup: float = 3.0
+    slo: SLO = field(default_factory=lambda: SLO(tbt_p99=0.05))
+    seed: int = 0
+    drain_timeout: float = 10.0
+    base_knobs: dict[str, Any] = field(default_factory=dict)  # the config a trial's knobs are laid over
+
+    def __post_init__(self) -> None:
+        if isinstance(self.workload, str):
+            self.workload = WorkloadSpec(name=self.workload)
+
+    def load_config(self, rate: float) -> LoadConfig:
+        w = self.workload
+        assert isinstance(w, WorkloadSpec)
+        extra: dict[str, Any] = {}
+        if w.mix:
+            extra["mix"] = w.mix
+        if w.mix_weights:
+            extra["mix_weights"] = w.mix_weights
+        return LoadConfig(workload=w.name, rate=rate, duration=self.warmup + self.duration,
+                          length_scale=w.length_scale, time_scale=w.time_scale, max_context=w.max_context,
+                          seed=self.seed, slo_p99_tbt=self.slo.tbt_p99, slo_p99_ttft=self.slo.ttft_p99,
+                          slo_p99_e2e=self.slo.e2e_p99, drain_timeout=self.drain_timeout,
+                          request_timeout=max(30.0, self.drain_timeout), **extra)
+
+    def run(self, knobs: dict[str, Any], out_dir: Path | None = None, rate: float | None = None) -> TrialOutcome:
+        """Simulate one trial; with ``out_dir`` also write its trial folder. A config the engine would reject is
+        an infeasible trial with the engine's reason."""
+        rate = self.rate if rate is None else rate
+        full = {**EngineConfig().knobs(), **self.base_knobs, **knobs}
+        cfg = self.load_config(rate)
+        try:
+            result, summary = simulate_load(cfg, full, self.timer, limits=self.limits, slo=self.slo,
+                                            window=(self.warmup, self.warmup + self.duration))
+        except ConfigError as error:
+            return TrialOutcome(knobs=full, summary={}, step_stats=step_stats([]), feasible=False,
+                                reason=f"rejected by the engine: {error}", out_dir=out_dir, simulated=True, rate=rate)
+        t0 = result.t0
+        steps = [s for s in result.step_dicts() if t0 + self.warmup <= s["start_time"] < t0 + self.warmup
+                 + self.duration]
+        reason = feasibility(summary, self.slo)
+        outcome = TrialOutcome(knobs=full, summary=summary, step_stats=step_stats(steps), feasible=reason is None,
+                               reason=reason, out_dir=out_dir, simulated=True, rate=rate)
+        if out_dir is not None:
+            assert isinstance(self.workload, WorkloadSpec)
+            write_trial_folder(Path(out_dir), result, summary, outcome, self.workload.as_dict(), self.slo, steps,
+                               {"duration": self.duration, "warmup": self.warmup})
+        return outcome

@@ -1,0 +1,273 @@
+"""The step-time model: how long one engine step takes, from what the step computes.
+
+A step's duration is a non-negative sum of physically meaningful costs, fitted by non-negative least squares on
+relative error (so that short decode steps, which set the TBT, weigh as much as long prefill steps) to the
+engine's own step records:
+
+    const            per-step overhead (scheduling, Python, building the batch, the sampler call)
+    tokens           new tokens (prefill + decode): projections and MLP, linear in tokens
+    seqs             sequences in the batch (prefill chunks + decodes): LM head row, sampling, per-sequence work
+    prefill_seqs     prefill chunks: each builds its own mask and gathers its own context
+    context_tokens   tokens attended (sum of the sequences' contexts): attention's key/value reads
+    context_blocks   context_tokens / block_size: the KV gather's index work (smaller blocks, more of it)
+    prefill_square   prefill_tokens**2 / prefill_seqs: causal attention within the chunks
+    swapped_blocks   blocks copied by swap-out / swap-in
+
+Besides the step itself the engine spends ``gap_s`` between two busy steps (delivering tokens, taking new requests)
+and the HTTP path adds ``request_latency_s`` (client send -> engine queue) and ``token_latency_s`` (token made ->
+client receives it). The engine's step times also vary from step to step at the same composition (on a shared CPU
+by a factor of two or more); the profile keeps the quantiles of measured/predicted, and the simulator scales each
+step by a seeded draw from them, so the tails (p99 TBT) come out as the engine's do. The saved JSON holds the
+coefficients, these latencies and variations, the fit error on held-out records and the profiled range of every
+input; predicting outside that range warns once per input (never silently).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+
+FEATURES = ("const", "tokens", "seqs", "prefill_seqs", "context_tokens", "context_blocks", "prefill_square",
+            "swapped_blocks")
+# The step-record inputs whose profiled range is kept (and checked when predicting).
+INPUTS = ("num_prefill_seqs", "num_prefill_tokens", "num_decode_tokens", "context_tokens", "num_seqs",
+          "num_swapped_blocks", "block_size")
+PROFILE_FORMAT = "slotune-step-time-model/1"
+LOWER_CHECKED = frozenset({"block_size"})  # inputs whose lower bound is checked too (see check_range)
+NOISE_POINTS = 201  # quantiles of the step-to-step variation kept in a profile
+
+# A step function as the simulator calls it: (prefill seqs, prefill tokens, decode tokens, context tokens,
+# swapped blocks) -> seconds; the block size is bound when the function is made.
+StepFn = Callable[[int, int, int, int, int], float]
+
+
+class ExtrapolationWarning(UserWarning):
+    """A prediction for a step (or a config) outside the range the model was profiled on."""
+
+
+class ProfileError(ValueError):
+    """A step-time profile that cannot be read or fitted; the message names the file or the field."""
+
+
+def feature_row(num_prefill_seqs: float, num_prefill_tokens: float, num_decode_tokens: float,
+                context_tokens: float, block_size: float, num_swapped_blocks: float = 0.0) -> list[float]:
+    """The model's features of one step (the order of FEATURES)."""
+    seqs = num_prefill_seqs + num_decode_tokens
+    square = num_prefill_tokens * num_prefill_tokens / num_prefill_seqs if num_prefill_seqs else 0.0
+    return [1.0, num_prefill_tokens + num_decode_tokens, seqs, num_prefill_seqs, context_tokens,
+            context_tokens / block_size, square, num_swapped_blocks]
+
+
+def _inputs(step: Mapping[str, Any], block_size: int | None) -> dict[str, float]:
+    bs = step.get("block_size", block_size)
+    if bs is None:
+        raise ProfileError("a step record without block_size (give block_size= or add it to every record)")
+    return {"num_prefill_seqs": float(step["num_prefill_seqs"]), "num_prefill_tokens": float(step["num_prefill_tokens"]),
+            "num_decode_tokens": float(step["num_decode_tokens"]), "context_tokens": float(step.get("context_tokens", 0)),
+            "num_seqs": float(step["num_prefill_seqs"] + step["num_decode_tokens"]),
+            "num_swapped_blocks": float(step.get("num_swapped_blocks", 0)), "block_size": float(bs)}
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """min ||a x - b|| subject to x >= 0 (scipy's Lawson-Hanson)."""
+    from scipy.optimize import nnls as scipy_nnls
+
+    x, _ = scipy_nnls(a, b, maxiter=50 * a.shape[1])
+    return x
+
+
+@dataclass
+class FitError:
+    median_rel: float
+    p90_rel: float
+    mean_rel: float
+    n: int
+
+
+@dataclass
+class StepTimeModel:
+    coef: dict[str, float]  # seconds per unit of each feature
+    ranges: dict[str, list[float]]  # profiled [min, max] of each input
+    gap_s: float = 0.0
+    request_latency_s: float = 0.0
+    token_latency_s: float = 0.0
+    fit_error: FitError | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    # Measured / predicted step time of the profiled steps, sorted (at most NOISE_POINTS, evenly spaced quantiles):
+    # the engine's own step-to-step variation (CPU contention, allocator, GC), which sets the tail of the TBT.
+    noise: list[float] = field(default_factory=list)
+    _warned: set[str] = field(default_factory=set, repr=False, compare=False)
+
+    # Fitting -----------------------------------------------------------------------------------------------
+    @classmethod
+    def fit(cls, steps: Iterable[Mapping[str, Any]], block_size: int | None = None, holdout: float = 0.2,
+            seed: int = 0, gap_s: float = 0.0, request_latency_s: float = 0.0, token_latency_s: float = 0.0,
+            meta: dict[str, Any] | None = None) -> StepTimeModel:
+        """Fit to step records (dicts with the StepRecord fields; ``total_s`` is the target; each needs a
+        ``block_size`` unless one is given). The error is measured on a random ``holdout`` share left out of a
+        first fit; the saved coefficients are then fitted on all records."""
+        steps = [s for s in steps if s["num_prefill_tokens"] + s["num_decode_tokens"] > 0]
+        if len(steps) < len(FEATURES) * 2:
+            raise ProfileError(f"{len(steps)} step records are too few to fit {len(FEATURES)} coefficients")
+        inputs = [_inputs(s, block_size) for s in steps]
+        x = np.array([feature_row(i["num_prefill_seqs"], i["num_prefill_tokens"], i["num_decode_tokens"],
+                                  i["context_tokens"], i["block_size"], i["num_swapped_blocks"]) for i in inputs])
+        y = np.array([float(s["total_s"]) for s in steps])
+        if not (y > 0).all():
+            raise ProfileError("step records need total_s > 0")
+        rng = np.random.default_rng(seed)
+        test = rng.random(len(y)) < holdout
+        if test.sum() < 5 or (~test).sum() < len(FEATURES):
+            test = np.zeros(len(y), dtype=bool)
+        error = None
+        if test.any():
+            w = _solve(x[~test], y[~test])
+            error = _error(x[test] @ w, y[test])
+        w = _solve(x, y)
+        if error is None:
+            error = _error(x @ w, y)
+        ranges = {k: [min(i[k] for i in inputs), max(i[k] for i in inputs)] for k in INPUTS}
+        pred = x @ w
+        ratios = np.sort(y[pred > 0] / pred[pred > 0])
+        noise = np.quantile(ratios, np.linspace(0, 1, NOISE_POINTS)) if len(ratios) > NOISE_POINTS else ratios
+        return cls(coef=dict(zip(FEATURES, map(float, w))), ranges=ranges, gap_s=gap_s,
+                   request_latency_s=request_latency_s, token_latency_s=token_latency_s, fit_error=error,
+                   meta=dict(meta or {}), noise=[float(v) for v in noise])
+
+    def refit(self, steps: Iterable[Mapping[str, Any]], block_size: int | None = None) -> StepTimeModel:
+        """The same model (latencies, meta) fitted anew to other step records, e.g. a real trial's own."""
+        return StepTimeModel.fit(steps, block_size, gap_s=self.gap_s, request_latency_s=self.request_latency_s,
+                                 token_latency_s=self.token_latency_s, meta=self.meta)
+
+    # Predicting ---------------------------------------------------------------------------------------------
+    def predict(self, num_prefill_seqs: int, num_prefill_tokens: int, num_decode_tokens: int, context_tokens: int,
+                block_size: int, num_swapped_blocks: int = 0) -> float:
+        """Seconds of one step (warns once per input that lies outside the profiled range)."""
+        self.check_range({"num_prefill_seqs": num_prefill_seqs, "num_prefill_tokens": num_prefill_tokens,
+                          "num_decode_tokens": num_decode_tokens, "context_tokens": context_tokens,
+                          "num_seqs": num_prefill_seqs + num_decode_tokens, "num_swapped_blocks": num_swapped_blocks,
+                          "block_size": block_size})
+        row = feature_row(num_prefill_seqs, num_prefill_tokens, num_decode_tokens, context_tokens, block_size,
+                          num_swapped_blocks)
+        return float(sum(self.coef[f] * v for f, v in zip(FEATURES, row)))
+
+    def predict_record(self, step: Mapping[str, Any], block_size: int | None = None) -> float:
+        i = _inputs(step, block_size)
+        return self.predict(int(i["num_prefill_seqs"]), int(i["num_prefill_tokens"]), int(i["num_decode_tokens"]),
+                            int(i["context_tokens"]), int(i["block_size"]), int(i["num_swapped_blocks"]))
+
+    def bind(self, block_size: int, seed: int | None = 0) -> StepFn:
+        """A fast step function for one block size (no range checks: the simulator checks the ranges of all its
+        steps at the end, with :meth:`check_range`). With a ``seed`` (and a profile that measured it), each step
+        is scaled by a ratio drawn from the profiled step-to-step variation; ``seed=None``: the plain prediction."""
+        self.check_range({"block_size": block_size})
+        noise = self.noise if seed is not None and self.noise else None
+        draw = random.Random(seed).random
+        n_noise = len(noise) if noise else 0
+        c = self.coef
+        c0, c_tok, c_seq, c_pseq = c["const"], c["tokens"], c["seqs"], c["prefill_seqs"]
+        c_ctx = c["context_tokens"] + c["context_blocks"] / block_size
+        c_sq, c_swap = c["prefill_square"], c["swapped_blocks"]
+
+        def step_time(prefill_seqs: int, prefill_tokens: int, decode_tokens: int, context_tokens: int,
+                      swapped_blocks: int) -> float:
+            t = c0 + c_tok * (prefill_tokens + decode_tokens) + c_seq * (prefill_seqs + decode_tokens) \
+                + c_ctx * context_tokens
+            if prefill_seqs:
+                t += c_pseq * prefill_seqs + c_sq * prefill_tokens * prefill_tokens / prefill_seqs
+            if swapped_blocks:
+                t += c_swap * swapped_blocks
+            return t
+
+        if noise is None:
+            return step_time
+
+        def noisy_step_time(prefill_seqs: int, prefill_tokens: int, decode_tokens: int, context_tokens: int,
+                            swapped_blocks: int) -> float:
+            return step_time(prefill_seqs, prefill_tokens, decode_tokens, context_tokens, swapped_blocks) \
+                * noise[int(draw() * n_noise)]
+
+        return noisy_step_time
+
+    def check_range(self, observed: Mapping[str, float | tuple[float, float]]) -> list[str]:
+        """Warn (ExtrapolationWarning, once per input and model) for every input whose observed value, or
+        (min, max), leaves the profiled range. Returns the inputs that left it."""
+        out = []
+        for name, value in observed.items():
+            lo_hi = self.ranges.get(name)
+            if lo_hi is None:
+                continue
+            lo, hi = (value if isinstance(value, tuple) else (value, value))
+            # Counts below the smallest profiled step are not checked: such a step costs between the fitted
+            # per-step floor (const) and the smallest profiled one, a bounded guess; above the range nothing bounds it.
+            if (name in LOWER_CHECKED and lo < lo_hi[0]) or hi > lo_hi[1]:
+                out.append(name)
+                if name not in self._warned:
+                    self._warned.add(name)
+                    warnings.warn(ExtrapolationWarning(
+                        f"step-time model: {name} {_fmt(lo)}..{_fmt(hi)} leaves the profiled range "
+                        f"{_fmt(lo_hi[0])}..{_fmt(lo_hi[1])}; predictions there are extrapolated (calibrate with "
+                        f"shapes that cover it: slotune calibrate)"), stacklevel=2)
+        return out
+
+    # Files --------------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": PROFILE_FORMAT, "features": list(FEATURES), "coef": self.coef, "ranges": self.ranges,
+                "gap_s": self.gap_s, "request_latency_s": self.request_latency_s,
+                "token_latency_s": self.token_latency_s,
+                "fit_error": asdict(self.fit_error) if self.fit_error else None, "noise": self.noise,
+                "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: str = "profile") -> StepTimeModel:
+        if d.get("format") != PROFILE_FORMAT:
+            raise ProfileError(f"{source}: not a step-time profile (format {d.get('format')!r}, expected "
+                               f"{PROFILE_FORMAT!r})")
+        coef = d.get("coef") or {}
+        missing = [f for f in FEATURES if f not in coef]
+        if missing:
+            raise ProfileError(f"{source}: coef lacks {', '.join(missing)}")
+        fe = d.get("fit_error")
+        return cls(coef={k: float(coef[k]) for k in FEATURES},
+                   ranges={k: [float(v[0]), float(v[1])] for k, v in (d.get("ranges") or {}).items()},
+                   gap_s=float(d.get("gap_s", 0.0)), request_latency_s=float(d.get("request_latency_s", 0.0)),
+                   token_latency_s=float(d.get("token_latency_s", 0.0)),
+                   fit_error=FitError(**fe) if fe else None, meta=dict(d.get("meta") or {}),
+                   noise=[float(v) for v in d.get("noise") or []])
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepTimeModel:
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as error:
+            raise ProfileError(f"cannot read profile {path}: {error}") from None
+        return cls.from_dict(d, str(path))
+
+
+def _solve(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    # Relative error: each row divided by its target. Columns scaled to unit norm for conditioning.
+    a = x / y[:, None]
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0] = 1.0
+    return nnls(a / norms, np.ones(len(y))) / norms
+
+
+def _error(pred: np.ndarray, y: np.ndarray) -> FitError:
+    rel = np.abs(pred - y) / y
+    return FitError(median_rel=float(np.median(rel)), p90_rel=float(np.percentile(rel, 90)),
+                    mean_rel=float(rel.mean()), n=int(len(y)))
+
+
+def _fmt(v: float) -> str:
+    return f"{v:g}" if math.isfinite(v) else str(v)
