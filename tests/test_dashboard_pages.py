@@ -1,0 +1,105 @@
+"""The dashboard's pages without a browser: empty states (no study, engine unreachable, an older results folder)
+and the `slotune dashboard` flag errors. The pages themselves are tested in Chromium in test_dashboard_browser."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dashboards.app import DashboardSettings, curves_page, live_page, live_update, study_page, sweep_body, trial_page
+from dashboards.engine_client import EngineClient, LiveFeed
+from tests import dashboard_data as data
+from tests.server_helpers import REPO, free_port
+
+
+def texts(component: Any) -> list[str]:
+    """Every string in a Dash component tree."""
+    if isinstance(component, str):
+        return [component]
+    if isinstance(component, (list, tuple)):
+        return [t for c in component for t in texts(c)]
+    children = getattr(component, "children", None)
+    return texts(children) if children is not None else []
+
+
+def notices(component: Any) -> dict[str, str]:
+    """{id: text} of the notice boxes in a component tree."""
+    found: dict[str, str] = {}
+
+    def walk(c: Any) -> None:
+        if isinstance(c, (list, tuple)):
+            for x in c:
+                walk(x)
+            return
+        if "notice" in str(getattr(c, "className", "")):
+            found[c.id] = " ".join(texts(c))
+        children = getattr(c, "children", None)
+        if children is not None and not isinstance(children, str):
+            walk(children)
+
+    walk(component)
+    return found
+
+
+def test_pages_without_sources_say_which_flag_to_pass() -> None:
+    empty = DashboardSettings()
+    assert "--results" in notices(curves_page(empty, {}))["curves-empty"]
+    assert "no study yet" in notices(study_page(empty, {}))["study-empty"]
+    assert "--engine-url" in notices(live_page(empty))["live-empty"]
+    assert "no trial chosen" in notices(trial_page(empty, {}))["trial-empty"]
+
+
+def test_empty_results_folder_and_missing_storage(tmp_path: Path) -> None:
+    settings = DashboardSettings(results=tmp_path, storage=f"sqlite:///{tmp_path / 'missing.db'}")
+    assert "no sweep yet" in notices(curves_page(settings, {}))["curves-empty"]
+    assert "does not exist" in notices(study_page(settings, {}))["study-empty"]
+    assert not (tmp_path / "missing.db").exists()
+
+
+def test_older_sweep_folder_is_reported_not_drawn(tmp_path: Path) -> None:
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "sweep.json").write_text(json.dumps({"knob": "max_num_seqs", "points": []}))
+    found = notices(sweep_body(DashboardSettings(results=tmp_path), "old"))
+    assert "an older format" in found["curves-error"] and "slotune-sweep/1" in found["curves-error"]
+
+
+def test_sweep_outside_the_results_folder_is_refused(tmp_path: Path) -> None:
+    data.write_sweep(tmp_path / "elsewhere")
+    (tmp_path / "results").mkdir()
+    found = notices(sweep_body(DashboardSettings(results=tmp_path / "results"), "../elsewhere"))
+    assert "outside the results folder" in found["curves-error"]
+
+
+def test_unreachable_engine_is_an_empty_state_not_an_error() -> None:
+    feed = LiveFeed(EngineClient(f"http://127.0.0.1:{free_port()}"))
+    steps_fig, tbt_fig, status, knobs = live_update(feed)
+    assert "engine unreachable" in steps_fig.layout.annotations[0].text
+    assert "unreachable" in notices(status)["live-error"]
+
+
+def test_dashboard_flag_errors_name_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dashboards.cli import main
+
+    for args, message in ((["--results", str(tmp_path / "nope")], "--results:"),
+                          (["--engine-url", "localhost:8000"], "--engine-url:"),
+                          (["--port", "70000"], "--port:"),
+                          (["--poll-interval", "0"], "--poll-interval:")):
+        assert main(args) == 2  # before any server starts
+        assert message in capsys.readouterr().err
+
+
+def test_the_dashboard_never_imports_the_engine_locust_or_torch(tmp_path: Path) -> None:
+    # the dashboard talks to the engine over HTTP only; locust's gevent patching must stay out of it
+    url = f"journal:{tmp_path / 'study.journal'}"
+    data.write_study(url, n_trials=3)
+    code = ("import sys; from dashboards.app import create_app, DashboardSettings, study_body; "
+            f"create_app(DashboardSettings()); study_body(DashboardSettings(storage={url!r}), 'tune'); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'engine', 'locust', 'gevent', 'torch'}))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
