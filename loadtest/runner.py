@@ -56,7 +56,8 @@ def locust_commands(cfg: LoadConfig, workers: int, port: int | None = None) -> t
     return main, [list(worker) for _ in range(workers)]
 
 
-def _stop(proc: subprocess.Popen, grace: float) -> None:
+def stop_process(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM, then SIGKILL after `grace` seconds; a process that already ended is left alone."""
     if proc.poll() is not None:
         return
     try:
@@ -164,9 +165,9 @@ def run_loadtest(cfg: LoadConfig, workers: int = 1, on_progress: Callable[[dict]
             main.wait(timeout)
         except subprocess.TimeoutExpired:
             errors.append(f"the load test did not finish within {timeout:.0f}s")
-            _stop(main, 20.0)
+            stop_process(main, 20.0)
         except KeyboardInterrupt:
-            _stop(main, 20.0)  # SIGTERM: Locust stops, and the locustfile writes what it has
+            stop_process(main, 20.0)  # SIGTERM: Locust stops, and the locustfile writes what it has
             errors.append("interrupted")
         reader.join(5)
     finally:
@@ -174,9 +175,9 @@ def run_loadtest(cfg: LoadConfig, workers: int = 1, on_progress: Callable[[dict]
             try:
                 p.wait(10)
             except subprocess.TimeoutExpired:
-                _stop(p, 5.0)
+                stop_process(p, 5.0)
         for p in procs[:1]:
-            _stop(p, 5.0)
+            stop_process(p, 5.0)
         for f in logs:
             f.close()
     if not os.path.exists(summary_path):

@@ -23,6 +23,8 @@ from typing import Any
 
 import httpx
 
+from loadtest.runner import stop_process
+
 STARTUP_TIMEOUT_S = 240.0
 _PR_SET_PDEATHSIG = 1
 
@@ -197,17 +199,8 @@ class ManagedEngine:
         return self.start()
 
     def stop(self, grace: float = 10.0) -> None:
-        p = self.process
-        if p is None or p.poll() is not None:
-            return
-        try:
-            p.send_signal(signal.SIGTERM)
-            p.wait(grace)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
-        except ProcessLookupError:
-            pass
+        if self.process is not None:
+            stop_process(self.process, grace)
 
     def log_tail(self, lines: int = 15) -> str:
         try:
