@@ -8,6 +8,7 @@ one, ``--rounds`` times each, at that rate. It prints a markdown table (goodput,
 medians over rounds) and writes it with the raw figures to ``--out``.
 
     python benchmarks/tuned_vs_default.py --out bench-tuned --slo-p99-tbt 50ms
+    python benchmarks/tuned_vs_default.py --out bench-tuned --slo-p99-tbt 100ms --rate 3
     python benchmarks/tuned_vs_default.py --out bench-tuned --skip-tune   # re-measure the tuned.yaml files there
 
 Target (issue 5): tuned goodput >= 1.5x the untuned one, with the tuned p99 TBT within the SLO.
@@ -59,7 +60,7 @@ def run_tune(out: Path, name: str, w: dict[str, Any], args: argparse.Namespace) 
     policy = out / f"{name}.policy.yaml"
     write_policy(policy, w, args.slo_p99_tbt, args.trials, args.trial_duration)
     cmd = [sys.executable, "-m", "tuner.cli", "--policy", str(policy), "--out", str(out / f"{name}.yaml"),
-           "--storage", str(out / "bench-study.db"), "--study-name", f"bench-{name}-{int(time.time())}"]
+           "--storage", str(out / "bench-study.db"), "--study-name", f"bench-{name}-{int(time.time())}", "--rate", args.rate]
     print(f"$ {' '.join(cmd)}", flush=True)
     subprocess.run(cmd, cwd=out, check=False)
 
@@ -117,6 +118,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench-tuned", help="folder for tuned configs, studies and measurements")
     p.add_argument("--slo-p99-tbt", type=parse_duration, default=0.050)
+    p.add_argument("--rate", default="auto", help="offered load in req/s for tune and the comparison, or auto (tune "
+                   "picks one the untuned config cannot fully serve)")
     p.add_argument("--trials", type=int, default=10)
     p.add_argument("--trial-duration", type=parse_duration, default=20.0)
     p.add_argument("--window", type=parse_duration, default=20.0, help="measurement window of the comparison")
