@@ -110,5 +110,21 @@ def test_tune_writes_a_servable_config_whose_p99_tbt_meets_the_slo(
         assert re.search(r"closest \(infeasible\): trial #\d .*p99 TBT \d+ms > 1ms", proc2.stderr), proc2.stderr
         assert not (d / "out2" / "tuned.yaml").exists() and (d / "out2" / "tuned.html").exists()
         assert handle.get_config() == served  # not --apply: the engine got its config back
+
+        # --screen: the simulator ranks 40 configs, the best goes first on the engine, and the end report puts the
+        # simulator's prediction beside the engine's measurement of it
+        proc3 = tune(["--policy", "policy.yaml", "--screen", "40", "--trials", "2", "--trial-duration", "3s",
+                      "--study-name", "screened",
+                      "--engine-url", server.url, "--admin-token", "secret", "--out", "out3/tuned.yaml"], d)
+        assert proc3.returncode in (0, 1) and "Traceback" not in proc3.stderr, proc3.stdout + proc3.stderr
+        assert re.search(r"screened 24 configs in .*predicted feasible", proc3.stdout), proc3.stdout
+        assert "simulator's prediction against the engine's measurement:" in proc3.stdout, proc3.stdout
+        screened = proc3.stdout.split("simulator's prediction against the engine's measurement:")[1].splitlines()
+        assert "goodput sim/real" in screened[1]
+        row = re.match(r"\s*1 seqs=\d+ tokens=\d+ chunk=\d+ block=\d+.* (\d+\.\d\d) / (\d+\.\d\d) +(\d+)ms / (\d+)ms",
+                       screened[2])
+        assert row, screened
+        ranking = yaml.safe_load(next((d / "out3" / "tuned-trials").glob("*/screen.json")).read_text())
+        assert len(ranking) == 3 * 2 * 2 * 2  # the policy's whole space: fewer distinct configs than asked for
     finally:
         server.stop()

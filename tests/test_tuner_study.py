@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,8 @@ from loadtest.summary import SLO
 from policies import SAMPLERS, PruningSpec, load_policy
 from tuner.objective import evaluate_capacity
 from tuner.pruning import PruneWatcher, gaps_above, itl_buckets
-from tuner.study import (ROLE_DEFAULT, StorageError, best_trial, closest_trial, counted_trials, default_trial,
-                         enqueue_default, open_storage, open_study, recover_orphans, run_trials)
+from tuner.study import (HEARTBEAT_STALE_S, ROLE_DEFAULT, Heartbeat, StorageError, best_trial, closest_trial,
+                         counted_trials, default_trial, enqueue_default, open_storage, open_study, recover_orphans, run_trials)
 from tuner.trial_runner import TrialOutcome, feasibility, step_stats
 
 DEFAULT_KNOBS = {"max_num_seqs": 64, "max_num_batched_tokens": 512, "chunk_size": None, "block_size": 16}
@@ -124,6 +125,31 @@ def test_resume_runs_only_the_missing_trials_and_recovers_a_dead_process(tmp_pat
     states = [t.state for t in study.get_trials()]
     assert states.count(TrialState.COMPLETE) == 4 and states[orphan.number] == TrialState.FAIL
     assert recover_orphans(study) == []
+
+
+def test_a_trial_whose_process_died_on_another_machine_is_recovered_by_its_stale_heartbeat(tmp_path: Path) -> None:
+    policy = load_policy().replace(trials=4)
+    study = open_study(open_storage(str(tmp_path / "s.db")), "s", policy)
+    now = time.time()
+    stale, live, silent = study.ask(), study.ask(), study.ask()
+    for trial, beat in ((stale, now - HEARTBEAT_STALE_S - 5), (live, now - 5)):
+        trial.set_user_attr("host", "another-machine")
+        trial.set_user_attr("pid", 1)  # a pid there says nothing here
+        trial.set_user_attr("heartbeat", beat)
+    silent.set_user_attr("host", "another-machine")  # never beat: judged by its start time, which is recent
+    assert recover_orphans(study, now=now) == [stale.number]
+    assert recover_orphans(study, now=now + HEARTBEAT_STALE_S + 10) == [live.number, silent.number]
+
+
+def test_a_running_trial_keeps_its_heartbeat_fresh(tmp_path: Path) -> None:
+    study = open_study(open_storage(f"journal:{tmp_path}/s.journal"), "s", load_policy())
+    trial = study.ask()
+    with Heartbeat(trial, interval=0.05):
+        time.sleep(0.3)
+        first = study.get_trials()[0].user_attrs["heartbeat"]
+        time.sleep(0.2)
+        second = study.get_trials()[0].user_attrs["heartbeat"]
+    assert time.time() - 1 < first < second <= time.time()
 
 
 def test_two_processes_share_a_study_without_duplicates(tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ override it. Writes tuned.yaml (for `slotune serve --config`), tuned.vllm.txt an
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import signal
 import sys
 import time
@@ -63,17 +62,6 @@ def _positive_int(text: str) -> int:
     return v
 
 
-def _screening_available() -> bool:
-    """`--screen N` exists once the simulator's tuner.screening provides screen()."""
-    try:
-        if importlib.util.find_spec("tuner.screening") is None:
-            return False
-        import tuner.screening as screening
-        return callable(getattr(screening, "screen", None))
-    except Exception:  # noqa: BLE001 - a broken optional module must not break tune
-        return False
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--slo-p99-tbt", type=_duration_arg, metavar="DURATION",
@@ -99,9 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="tuned.yaml", metavar="FILE", help="tuned config (default: tuned.yaml)")
     p.add_argument("--apply", action="store_true", help="PATCH the tuned knobs into the engine at --engine-url "
                                                         "and leave them applied")
-    if _screening_available():
-        p.add_argument("--screen", type=_positive_int, metavar="N",
-                       help="screen N configs in the simulator first; confirm the best on the engine")
+    p.add_argument("--screen", type=_positive_int, metavar="N",
+                   help="screen N configs in the simulator first; the best few become the first trials on the engine "
+                   "and the end report compares predicted with measured")
     return p
 
 

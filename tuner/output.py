@@ -136,7 +136,7 @@ def write_report(path: Path, study: optuna.Study, slo: dict[str, Any], title: st
     fig.update_yaxes(title_text="p99 TBT (ms)", row=1, col=2)
     fig.update_layout(title=title, height=520)
     rows = "".join(_row(t) for t in sorted(trials, key=lambda t: t.number))
-    body = "".join(f"<p>{_esc(line)}</p>" for line in (lines or []))
+    body = "".join(f"<pre>{_esc(line)}</pre>" if "\n" in line else f"<p>{_esc(line)}</p>" for line in (lines or []))
     html = (f"<html><head><meta charset='utf-8'><title>{_esc(title)}</title></head><body>"
             f"<h1>{_esc(title)}</h1>{body}"
             + fig.to_html(full_html=False, include_plotlyjs=True)

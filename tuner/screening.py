@@ -117,14 +117,15 @@ def predicted(outcome: TrialOutcome) -> dict[str, Any]:
 
 
 def screen_report(study: optuna.Study) -> str:
-    """Predicted (simulated) against measured for every screened trial the study has run, as a table."""
+    """Predicted (simulated) against measured for every screened trial the study has run, as a table ("" when
+    the study screened nothing)."""
     rows = []
     for t in study.get_trials(deepcopy=False):
         if t.user_attrs.get("role") != "screened" or "summary" not in t.user_attrs:
             continue
         p, m = t.user_attrs.get("screen_predicted") or {}, t.user_attrs.get("summary") or {}
         rows.append((t.user_attrs.get("screen_rank"), t.user_attrs.get("knobs", {}), p, m))
-    return format_rows(rows)
+    return format_rows(rows) if rows else ""
 
 
 @dataclass

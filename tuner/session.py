@@ -106,16 +106,25 @@ class TuneSession:
             f"(+{format_duration(p.warmup)} warm-up) at {rate:.3g} req/s, {p.sampler} sampler, objective "
             f"{p.objective}, SLO {self.slo_text()}" + (f"; resuming with {done_before} done" if done_before else ""))
         if getattr(self.args, "screen", None):
-            # --screen N (the flag exists only when tuner.screening provides screen()): the simulator screens N
-            # configs and enqueues the best few into the study, which the trials below then confirm on the engine
-            from tuner.screening import screen
-            screen(study=study, policy=p, runner=runner, n=self.args.screen, out_dir=self.trials_dir)
+            self.screen(study, runner)
         try:
             run_trials(study, runner, p, p.trials, self.trials_dir, on_trial=self.progress)
         except EngineError as error:
             print(f"{PROG}: error: {error}", file=sys.stderr)
             return 1
         return self.finish(study, runner, model, rate, rate_reason)
+
+    def screen(self, study: optuna.Study, runner: TrialRunner) -> None:
+        """--screen N: the simulator screens N configs and enqueues the best few into the study, whose next trials
+        confirm them on the engine (predicted against measured is printed at the end)."""
+        from tuner.screening import screen  # the simulator (the engine's torch-free scheduler) only when asked for
+
+        say(f"{PROG}: screening {self.args.screen} configs in the simulator ...")
+        t0 = time.monotonic()
+        ranked = screen(study=study, policy=self.policy, runner=runner, n=self.args.screen, out_dir=self.trials_dir)
+        feasible = sum(s.outcome.feasible for s in ranked)
+        say(f"{PROG}: screened {len(ranked)} configs in {format_duration(time.monotonic() - t0)}: {feasible} "
+            f"predicted feasible; the best {min(3, len(ranked))} go first (ranking: {self.trials_dir / 'screen.json'})")
 
     def choose_rate(self, study: optuna.Study, runner: TrialRunner) -> tuple[float, str]:
         stored = study.user_attrs.get("rate")
@@ -164,6 +173,14 @@ class TuneSession:
         title = f"tune: {self.study_name}"
         lines = [f"SLO {self.slo_text()}; workload {p.workload.name} (length x{p.workload.length_scale:g}) at "
                  f"{rate:.3g} req/s; rate: {rate_reason}"]
+        screened = ""
+        if getattr(self.args, "screen", None):
+            from tuner.screening import screen_report  # see Session.screen
+
+            screened = screen_report(study)
+        if screened:
+            say(f"{PROG}: screened configs, simulator's prediction against the engine's measurement:\n{screened}")
+            lines.append("Screened configs, predicted / measured:\n" + screened)
         if best is None:
             closest = closest_trial(study)
             write_report(report, study, p.slo.as_dict(), title, lines + ["No config met the SLO."])

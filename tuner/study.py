@@ -3,8 +3,8 @@ shared safely by several processes, the choice of the offered rate (``--rate aut
 
 Several ``tune`` processes may share one study (an RDB or journal storage) against several engines: each counts
 the study's finished and running trials before it asks for the next one, so together they run the requested
-number. A rerun with the same study name resumes: finished trials are kept, trials of a process that died are
-marked failed and run again, and the default config (enqueued as the first trial) is measured once.
+number. A rerun with the same study name resumes: finished trials are kept, trials of a process that died (here:
+its pid is gone; on another machine: its heartbeat stopped) are marked failed and run again, and the default config (enqueued as the first trial) is measured once.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import math
 import os
 import socket
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -30,6 +31,10 @@ from tuner.trial_runner import TrialOutcome, TrialRunner, check_stop
 
 DEFAULT_STORAGE = "sqlite:///tune-study.db"
 ROLE_DEFAULT = "default"
+# A running trial stamps "heartbeat" (wall-clock seconds) this often; one silent for HEARTBEAT_STALE_S belongs to
+# a tune process that died on another machine (on this machine a dead pid says so at once).
+HEARTBEAT_INTERVAL_S = 15.0
+HEARTBEAT_STALE_S = 120.0
 # constraints_func is what the interface with the dashboard names (system attr "constraints"); Optuna 5 prefers
 # Trial.set_constraint but keeps it. Experimental-feature notices are noise on a tune progress screen.
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"optuna\..*")
@@ -127,15 +132,23 @@ def open_study(storage: optuna.storages.BaseStorage, name: str, policy: Policy) 
     return study
 
 
-def recover_orphans(study: optuna.Study) -> list[int]:
-    """Mark failed the RUNNING trials of tune processes on this machine that no longer exist (kill -9), so their
-    slot is run again; returns their numbers. (A process that died on another machine leaves its trial RUNNING:
-    mark it with `optuna` tools, or start a new study name.)"""
+def recover_orphans(study: optuna.Study, now: float | None = None) -> list[int]:
+    """Mark failed the RUNNING trials of tune processes that no longer exist, so their slot is run again; returns
+    their numbers. On this machine: the trial's pid is gone (kill -9). Elsewhere: its heartbeat (see
+    :class:`Heartbeat`) is older than HEARTBEAT_STALE_S."""
     failed = []
     host = socket.gethostname()
+    now = time.time() if now is None else now
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         pid, owner = t.user_attrs.get("pid"), t.user_attrs.get("host")
-        if owner != host or not isinstance(pid, int) or _pid_alive(pid):
+        if owner == host and isinstance(pid, int):
+            dead = not _pid_alive(pid)
+        else:
+            beat = t.user_attrs.get("heartbeat")
+            if not isinstance(beat, (int, float)):
+                beat = t.datetime_start.timestamp() if t.datetime_start else now
+            dead = now - beat > HEARTBEAT_STALE_S
+        if not dead:
             continue
         try:
             study.tell(t.number, state=TrialState.FAIL)
@@ -143,6 +156,34 @@ def recover_orphans(study: optuna.Study) -> list[int]:
         except (RuntimeError, ValueError):
             pass  # someone else got there first
     return failed
+
+
+class Heartbeat:
+    """While a trial runs, stamp its "heartbeat" user attr every ``interval`` seconds from a background thread, so
+    tune processes on other machines can tell a live trial from one whose process died (recover_orphans)."""
+
+    def __init__(self, trial: optuna.Trial, interval: float = HEARTBEAT_INTERVAL_S) -> None:
+        self.trial = trial
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"heartbeat-{trial.number}", daemon=True)
+
+    def _beat(self) -> None:
+        while True:
+            try:
+                self.trial.set_user_attr("heartbeat", time.time())
+            except Exception:  # noqa: BLE001 - a storage hiccup must not kill the trial; the next beat retries
+                pass
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -239,11 +280,12 @@ def run_trials(study: optuna.Study, runner: TrialRunner, policy: Policy, n_trial
         trial_dir = out_dir / f"trial-{trial.number:04d}"
         started = time.monotonic()
         try:
-            if policy.objective == "capacity":
-                ev: Evaluation = evaluate_capacity(runner, knobs, trial_dir, capacity_probes)
-            else:
-                # the default config is the baseline of the report: measured over the whole window
-                ev = evaluate_goodput(runner, knobs, trial_dir, prune=role != ROLE_DEFAULT)
+            with Heartbeat(trial):
+                if policy.objective == "capacity":
+                    ev: Evaluation = evaluate_capacity(runner, knobs, trial_dir, capacity_probes)
+                else:
+                    # the default config is the baseline of the report: measured over the whole window
+                    ev = evaluate_goodput(runner, knobs, trial_dir, prune=role != ROLE_DEFAULT)
         except BaseException:
             study.tell(trial, state=TrialState.FAIL)  # Ctrl-C/fatal error: the slot is run again on resume
             raise
