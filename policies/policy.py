@@ -246,7 +246,8 @@ def _number(value: Any, path: str, kind: type = float, low: float | None = None,
     return v
 
 
-def _knob_value(name: str, value: Any, path: str) -> Any:
+def knob_value(name: str, value: Any, path: str) -> Any:
+    """``value`` checked and converted to knob ``name``'s type; a PolicyError names ``path`` (a field or a flag)."""
     kind = KNOB_TYPES[name]
     if name == "chunk_size" and value is None:
         return None
@@ -275,7 +276,7 @@ def _knob_range(name: str, spec: Any, path: str) -> KnobRange:
         choices = spec["choices"]
         if not isinstance(choices, list) or not choices:
             raise PolicyError(f"{path}.choices", "must be a non-empty list")
-        values = tuple(_knob_value(name, v, f"{path}.choices[{i}]") for i, v in enumerate(choices))
+        values = tuple(knob_value(name, v, f"{path}.choices[{i}]") for i, v in enumerate(choices))
         if len(set(values)) != len(values):
             raise PolicyError(f"{path}.choices", "has duplicates")
         return KnobRange(name, choices=values)
@@ -285,8 +286,8 @@ def _knob_range(name: str, spec: Any, path: str) -> KnobRange:
     for key in ("low", "high"):
         if key not in spec:
             raise PolicyError(f"{path}.{key}", "is required (or give `choices`)")
-    low = _knob_value(name, spec["low"], f"{path}.low")
-    high = _knob_value(name, spec["high"], f"{path}.high")
+    low = knob_value(name, spec["low"], f"{path}.low")
+    high = knob_value(name, spec["high"], f"{path}.high")
     if low > high:
         raise PolicyError(f"{path}.low", f"must be <= high ({high}), got {low}")
     log = spec.get("log", False)
@@ -357,7 +358,7 @@ def parse_policy(data: Any, source: str = "<dict>") -> Policy:
             raise PolicyError(f"fixed.{k}", f"unknown knob; knobs: {', '.join(KNOB_TYPES)}")
         if k in space_raw:
             raise PolicyError(f"fixed.{k}", "is also in search_space")
-        fixed[str(k)] = _knob_value(str(k), v, f"fixed.{k}")
+        fixed[str(k)] = knob_value(str(k), v, f"fixed.{k}")
     constraints_raw = data.get("constraints") or []
     if not isinstance(constraints_raw, list):
         raise PolicyError("constraints", "must be a list of strings")

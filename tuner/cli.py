@@ -30,7 +30,8 @@ class CliError(Exception):
     """A bad flag value: printed as `tune: error: MESSAGE`, exit 2."""
 
 
-def _duration_arg(text: str) -> float:
+def duration_arg(text: str) -> float:
+    """argparse type of a positive duration flag: ``50ms``, ``2s``, ``1m``."""
     try:
         v = parse_duration(text)
     except ValueError as error:
@@ -64,15 +65,15 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--slo-p99-tbt", type=_duration_arg, metavar="DURATION",
+    p.add_argument("--slo-p99-tbt", type=duration_arg, metavar="DURATION",
                    help="p99 time-between-tokens target, e.g. 50ms (default: the policy's)")
-    p.add_argument("--slo-p99-ttft", type=_duration_arg, metavar="DURATION", help="p99 time-to-first-token target")
+    p.add_argument("--slo-p99-ttft", type=duration_arg, metavar="DURATION", help="p99 time-to-first-token target")
     p.add_argument("--workload", metavar="mixed|PATH", help="mixed, or a trace (.csv Azure, .jsonl Mooncake)")
     p.add_argument("--rate", type=_rate_arg, default=argparse.SUPPRESS, metavar="R|auto",
                    help="offered load in requests/s, or auto (default: the policy's, auto)")
     p.add_argument("--trials", type=_positive_int, metavar="N", help="trials in the study, the default config's "
                                                                       "included (default: the policy's)")
-    p.add_argument("--trial-duration", type=_duration_arg, metavar="DURATION",
+    p.add_argument("--trial-duration", type=duration_arg, metavar="DURATION",
                    help="measurement window of one trial, e.g. 30s (default: the policy's)")
     p.add_argument("--sampler", choices=SAMPLERS, help="default: the policy's (tpe)")
     p.add_argument("--objective", choices=OBJECTIVES, help="goodput at the offered load, or capacity (highest rate "

@@ -27,8 +27,8 @@ from typing import Any, NoReturn
 
 from loadtest.durations import format_duration
 from policies import Policy, PolicyError, load_policy
-from policies.policy import KNOB_TYPES, SLOTargets, _knob_value
-from tuner.cli import CliError, _duration_arg, check_workload
+from policies.policy import KNOB_TYPES, SLOTargets, knob_value
+from tuner.cli import CliError, duration_arg, check_workload
 
 PROG = "slotune sweep"
 SWEEP_FORMAT = "slotune-sweep/1"
@@ -49,7 +49,7 @@ def parse_knob_value(knob: str, text: str, flag: str) -> Any:
             value = raw
         else:
             value = kind(raw)
-        return _knob_value(knob, value, flag)
+        return knob_value(knob, value, flag)
     except PolicyError as error:
         raise CliError(f"argument {error}") from None
     except ValueError:
@@ -62,13 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the knob to vary: {', '.join(KNOB_TYPES)}")
     p.add_argument("--values", required=True, metavar="V1,V2,...", help="its values, e.g. 4,8,16,32")
     p.add_argument("--rate", required=True, type=float, metavar="R", help="offered load in requests/s")
-    p.add_argument("--duration", type=_duration_arg, metavar="DURATION",
+    p.add_argument("--duration", type=duration_arg, metavar="DURATION",
                    help="measurement window of each point, e.g. 20s (default: the policy's trial_duration)")
-    p.add_argument("--warmup", type=_duration_arg, metavar="DURATION", help="load before each window, not measured "
+    p.add_argument("--warmup", type=duration_arg, metavar="DURATION", help="load before each window, not measured "
                                                                              "(default: the policy's)")
     p.add_argument("--workload", metavar="mixed|PATH", help="mixed, or a trace (.csv Azure, .jsonl Mooncake)")
-    p.add_argument("--slo-p99-tbt", type=_duration_arg, metavar="DURATION", help="default: the policy's")
-    p.add_argument("--slo-p99-ttft", type=_duration_arg, metavar="DURATION")
+    p.add_argument("--slo-p99-tbt", type=duration_arg, metavar="DURATION", help="default: the policy's")
+    p.add_argument("--slo-p99-ttft", type=duration_arg, metavar="DURATION")
     p.add_argument("--policy", metavar="FILE", help="policy YAML for the defaults (default: policies/default.yaml)")
     p.add_argument("--engine-url", metavar="URL", help="sweep a running engine (default: start the default engine)")
     p.add_argument("--admin-token", metavar="T", help="the engine's admin token (or $SLOTUNE_ADMIN_TOKEN)")
