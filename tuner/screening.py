@@ -21,6 +21,7 @@ from tuner.objective import goodput, suggest_knobs
 from tuner.simulator_trial import SimTrialRunner
 from tuner.trial_runner import TrialOutcome, TrialRunner
 
+CONFIRMED = 3  # how many of the best screened configs the study confirms on the engine
 COMPARED = ("goodput_rps", "throughput_rps", "tbt_p99", "ttft_p99", "attainment")
 
 
@@ -79,7 +80,7 @@ def sim_runner_like(runner: TrialRunner, profile: str | Path | None = None) -> S
 
 def screen(policy: Policy, n: int, runner: SimTrialRunner | TrialRunner, seed: int = 0,
            progress: Callable[[int, int], None] | None = None, *, study: optuna.Study | None = None,
-           out_dir: Path | None = None, top: int = 3, profile: str | Path | None = None) -> list[Screened]:
+           out_dir: Path | None = None, top: int = CONFIRMED, profile: str | Path | None = None) -> list[Screened]:
     """Simulate ``n`` configs sampled from ``policy``'s search space; ranked (see :func:`rank`).
 
     ``runner`` is a SimTrialRunner, or the tuner's real TrialRunner (then its simulated twin, with ``profile``, runs

@@ -117,14 +117,15 @@ class TuneSession:
     def screen(self, study: optuna.Study, runner: TrialRunner) -> None:
         """--screen N: the simulator screens N configs and enqueues the best few into the study, whose next trials
         confirm them on the engine (predicted against measured is printed at the end)."""
-        from tuner.screening import screen  # the simulator (the engine's torch-free scheduler) only when asked for
+        # the simulator (it runs the engine's torch-free scheduler) is imported only when asked for
+        from tuner.screening import CONFIRMED, screen
 
         say(f"{PROG}: screening {self.args.screen} configs in the simulator ...")
         t0 = time.monotonic()
         ranked = screen(study=study, policy=self.policy, runner=runner, n=self.args.screen, out_dir=self.trials_dir)
         feasible = sum(s.outcome.feasible for s in ranked)
         say(f"{PROG}: screened {len(ranked)} configs in {format_duration(time.monotonic() - t0)}: {feasible} "
-            f"predicted feasible; the best {min(3, len(ranked))} go first (ranking: {self.trials_dir / 'screen.json'})")
+            f"predicted feasible; the best {min(CONFIRMED, len(ranked))} are the next trials (ranking: {self.trials_dir / 'screen.json'})")
 
     def choose_rate(self, study: optuna.Study, runner: TrialRunner) -> tuple[float, str]:
         stored = study.user_attrs.get("rate")
@@ -175,7 +176,7 @@ class TuneSession:
                  f"{rate:.3g} req/s; rate: {rate_reason}"]
         screened = ""
         if getattr(self.args, "screen", None):
-            from tuner.screening import screen_report  # see Session.screen
+            from tuner.screening import screen_report  # see TuneSession.screen
 
             screened = screen_report(study)
         if screened:

@@ -4,7 +4,8 @@ shared safely by several processes, the choice of the offered rate (``--rate aut
 Several ``tune`` processes may share one study (an RDB or journal storage) against several engines: each counts
 the study's finished and running trials before it asks for the next one, so together they run the requested
 number. A rerun with the same study name resumes: finished trials are kept, trials of a process that died (here:
-its pid is gone; on another machine: its heartbeat stopped) are marked failed and run again, and the default config (enqueued as the first trial) is measured once.
+its pid is gone; on another machine: its heartbeat stopped) are marked failed and run again, and the default
+config (enqueued as the first trial) is measured once.
 """
 
 from __future__ import annotations
