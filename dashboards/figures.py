@@ -23,6 +23,9 @@ SLO_COLOR = "#d62728"
 KNEE_COLOR = "#ff7f0e"
 FEASIBLE_COLOR = "#2ca02c"
 INFEASIBLE_COLOR = "#d62728"
+# Steps further apart than this (end of one to start of the next) had the engine idle in between: the step
+# timeline breaks its lines there instead of drawing a slope across the idle time.
+IDLE_BREAK_S = 0.1
 
 # (summary key, subplot title, scale to the axis unit)
 CURVE_METRICS: list[tuple[str, str, float]] = [
@@ -178,7 +181,8 @@ STEP_PANELS = ["step duration (ms)", "tokens per step", "requests", "KV cache us
 def step_timeline_figure(steps: Sequence[dict[str, Any]], wall_clock: bool = False, title: str = "engine steps"
                          ) -> go.Figure:
     """The step records as five stacked panels: step time, prefill/decode tokens, running/waiting/preempted
-    requests, KV cache usage, preemptions. x: wall-clock time (Live) or seconds from the first step."""
+    requests, KV cache usage, preemptions. x: wall-clock time (Live) or seconds from the first step. Lines break
+    where the engine sat idle between two steps."""
     if not steps:
         return empty_figure("no engine steps recorded", height=300)
     # numpy arrays travel to the browser as compact base64 typed arrays (a poll of 1000 steps stays small)
@@ -187,6 +191,9 @@ def step_timeline_figure(steps: Sequence[dict[str, Any]], wall_clock: bool = Fal
     col = lambda k: np.array([s.get(k, 0) for s in steps], dtype=float)  # noqa: E731
     used, free = col("kv_blocks_used"), col("kv_blocks_free")
     usage = np.divide(used, used + free, out=np.zeros_like(used), where=(used + free) > 0)
+    # a NaN point after each step followed by idle time: plotly does not connect across it
+    idle_after = np.flatnonzero(start[1:] - (start[:-1] + col("total_s")[:-1]) > IDLE_BREAK_S) + 1
+    x = np.insert(x, idle_after, np.nan)
     fig = make_subplots(rows=5, cols=1, shared_xaxes=True, subplot_titles=STEP_PANELS, vertical_spacing=0.05)
     panels: list[tuple[int, str, np.ndarray]] = [
         (1, "step time", col("total_s") * 1000.0),
@@ -199,7 +206,8 @@ def step_timeline_figure(steps: Sequence[dict[str, Any]], wall_clock: bool = Fal
         (5, "preemptions", col("num_preemptions")),
     ]
     for row, name, y in panels:
-        fig.add_trace(go.Scatter(x=x, y=y.astype(np.float32), mode="lines", name=name, legendgroup=str(row)),
+        fig.add_trace(go.Scatter(x=x, y=np.insert(y, idle_after, np.nan).astype(np.float32), mode="lines", name=name,
+                                 legendgroup=str(row)),
                       row=row, col=1)
     if wall_clock:
         fig.update_xaxes(type="date")

@@ -21,12 +21,11 @@ import httpx
 import pytest
 
 from dashboards.analysis import pareto_front
+from dashboards.screenshots import full_page_screenshot, start_browser
 from dashboards.study import load_study
 from tests import dashboard_data as data
 from tests.server_helpers import REPO, SubprocessServer, free_port
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
 SCREENSHOTS = REPO / "docs" / "screenshots"
 TOKEN = "dashboard-test-token"
 WAIT_S = 90.0
@@ -80,21 +79,10 @@ def dashboard(results: Path, engine: SubprocessServer) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
-    if missing:
-        pytest.fail(f"missing {', '.join(missing)}: apt-get install -y chromium chromium-driver "
-                    f"(or SLOTUNE_SKIP_BROWSER=1)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1400,1000", "--hide-scrollbars"):
-        options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
-    driver.set_page_load_timeout(60)
+    try:
+        driver = start_browser()
+    except FileNotFoundError as error:
+        pytest.fail(f"{error} (or SLOTUNE_SKIP_BROWSER=1)")
     yield driver
     driver.quit()
 
@@ -142,20 +130,8 @@ def open_page(browser: Any, url: str, ready: Callable[[], Any], what: str) -> An
 
 
 def screenshot(browser: Any, name: str) -> Path:
-    """A full-page screenshot in docs/screenshots (the README shows them): the viewport is set to the page's
-    whole height through the DevTools protocol, so nothing below the fold is cut."""
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    height = browser.execute_script("return Math.max(document.body.scrollHeight, "
-                                    "document.documentElement.scrollHeight)")
-    browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
-        "width": 1400, "height": min(int(height), 4000), "deviceScaleFactor": 1, "mobile": False})
-    time.sleep(1.0)  # plotly relayouts on resize
-    path = SCREENSHOTS / f"{name}.png"
-    try:
-        assert browser.save_screenshot(str(path)), f"no screenshot {path}"
-    finally:
-        browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
-    return path
+    """A full-page screenshot in docs/screenshots/NAME.png."""
+    return full_page_screenshot(browser, SCREENSHOTS / f"{name}.png")
 
 
 # The pages -------------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dashboards.analysis import Knee, find_knee, pareto_front, slo_crossing
@@ -180,6 +181,17 @@ def test_step_timeline_and_request_distributions_from_a_trial_folder(tmp_path: P
     assert len(dist["each request's p99"].x) == 20
     assert len(dist["all gaps"].x) == sum(len(r.token_times) - 1 for r in records)
     assert step_timeline_figure([]).layout.annotations[0].text == "no engine steps recorded"
+
+
+def test_step_timeline_breaks_its_lines_where_the_engine_was_idle() -> None:
+    def step(start: float, prefill: int) -> dict[str, float]:
+        return {"start_time": start, "total_s": 0.05, "num_prefill_tokens": prefill, "num_decode_tokens": 1}
+
+    # two bursts of steps (back to back: each starts as the previous ends), 5 s of idle engine between them
+    steps = [step(100 + 0.05 * i, 8) for i in range(3)] + [step(105.15 + 0.05 * i, 0) for i in range(2)]
+    prefill = next(t for t in step_timeline_figure(steps).data if t.name == "prefill tokens")
+    assert list(prefill.x[:3]) == pytest.approx([0, 0.05, 0.1]) and np.isnan(prefill.x[3])
+    assert list(prefill.y[:3]) == [8, 8, 8] and np.isnan(prefill.y[3]) and list(prefill.y[4:]) == [0, 0]
 
 
 def test_itl_histogram_from_prometheus_text() -> None:
