@@ -12,7 +12,7 @@ import pytest
 from tuner.step_time_model import (FEATURES, ExtrapolationWarning, ProfileError, StepTimeModel, feature_row)
 
 TRUE = {"const": 0.02, "tokens": 4e-4, "seqs": 1e-3, "prefill_seqs": 2e-3, "context_tokens": 2e-6,
-        "context_blocks": 3e-5, "prefill_square": 1e-6, "swapped_blocks": 0.0}
+        "context_blocks": 3e-5, "prefill_square": 1e-6, "swapped_blocks": 0.0, "prefill_step": 5e-3}
 
 
 def synthetic_steps(n: int, seed: int = 0, noise: float = 0.0) -> list[dict]:
@@ -77,6 +77,15 @@ def test_profile_round_trips_and_bad_files_name_the_problem(tmp_path: Path) -> N
         StepTimeModel.load(tmp_path / "missing.json")
     with pytest.raises(ProfileError, match="too few"):
         StepTimeModel.fit(synthetic_steps(5))
+    # a profile written before the prefill_step feature existed reads it as 0, i.e. predicts as it always did
+    old = model.to_dict()
+    del old["coef"]["prefill_step"]
+    older = StepTimeModel.from_dict(old)
+    assert older.coef["prefill_step"] == 0.0
+    assert older.predict(2, 40, 8, 1000, 16) == pytest.approx(model.predict(2, 40, 8, 1000, 16) - model.coef["prefill_step"])
+    del old["coef"]["seqs"]
+    with pytest.raises(ProfileError, match="coef lacks seqs"):
+        StepTimeModel.from_dict(old)
 
 
 def test_step_to_step_variation_is_kept_and_drawn_reproducibly() -> None:

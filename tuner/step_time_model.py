@@ -8,6 +8,8 @@ engine's own step records:
     tokens           new tokens (prefill + decode): projections and MLP, linear in tokens
     seqs             sequences in the batch (prefill chunks + decodes): LM head row, sampling, per-sequence work
     prefill_seqs     prefill chunks: each builds its own mask and gathers its own context
+    prefill_step     1 when the step prefills at all: the prefill attention path's fixed cost (without it, the
+                     per-chunk cost absorbed it and steps of several chunks were over-predicted by 10-20 %)
     context_tokens   tokens attended (sum of the sequences' contexts): attention's key/value reads
     context_blocks   context_tokens / block_size: the KV gather's index work (smaller blocks, more of it)
     prefill_square   prefill_tokens**2 / prefill_seqs: causal attention within the chunks
@@ -35,7 +37,9 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 FEATURES = ("const", "tokens", "seqs", "prefill_seqs", "context_tokens", "context_blocks", "prefill_square",
-            "swapped_blocks")
+            "swapped_blocks", "prefill_step")
+# Features added after profiles were first written: a profile without one reads it as 0 (its old fit).
+LATER_FEATURES = frozenset({"prefill_step"})
 # The step-record inputs whose profiled range is kept (and checked when predicting).
 INPUTS = ("num_prefill_seqs", "num_prefill_tokens", "num_decode_tokens", "context_tokens", "num_seqs",
           "num_swapped_blocks", "block_size")
@@ -62,7 +66,7 @@ def feature_row(num_prefill_seqs: float, num_prefill_tokens: float, num_decode_t
     seqs = num_prefill_seqs + num_decode_tokens
     square = num_prefill_tokens * num_prefill_tokens / num_prefill_seqs if num_prefill_seqs else 0.0
     return [1.0, num_prefill_tokens + num_decode_tokens, seqs, num_prefill_seqs, context_tokens,
-            context_tokens / block_size, square, num_swapped_blocks]
+            context_tokens / block_size, square, num_swapped_blocks, 1.0 if num_prefill_seqs else 0.0]
 
 
 def _inputs(step: Mapping[str, Any], block_size: int | None) -> dict[str, float]:
@@ -104,6 +108,9 @@ class StepTimeModel:
     # the engine's own step-to-step variation (CPU contention, allocator, GC), which sets the tail of the TBT.
     noise: list[float] = field(default_factory=list)
     _warned: set[str] = field(default_factory=set, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.coef = {**self.coef, **{f: 0.0 for f in LATER_FEATURES if f not in self.coef}}
 
     # Fitting -----------------------------------------------------------------------------------------------
     @classmethod
@@ -174,14 +181,14 @@ class StepTimeModel:
         c = self.coef
         c0, c_tok, c_seq, c_pseq = c["const"], c["tokens"], c["seqs"], c["prefill_seqs"]
         c_ctx = c["context_tokens"] + c["context_blocks"] / block_size
-        c_sq, c_swap = c["prefill_square"], c["swapped_blocks"]
+        c_sq, c_swap, c_pstep = c["prefill_square"], c["swapped_blocks"], c["prefill_step"]
 
         def step_time(prefill_seqs: int, prefill_tokens: int, decode_tokens: int, context_tokens: int,
                       swapped_blocks: int) -> float:
             t = c0 + c_tok * (prefill_tokens + decode_tokens) + c_seq * (prefill_seqs + decode_tokens) \
                 + c_ctx * context_tokens
             if prefill_seqs:
-                t += c_pseq * prefill_seqs + c_sq * prefill_tokens * prefill_tokens / prefill_seqs
+                t += c_pstep + c_pseq * prefill_seqs + c_sq * prefill_tokens * prefill_tokens / prefill_seqs
             if swapped_blocks:
                 t += c_swap * swapped_blocks
             return t
@@ -219,7 +226,8 @@ class StepTimeModel:
 
     # Files --------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {"format": PROFILE_FORMAT, "features": list(FEATURES), "coef": self.coef, "ranges": self.ranges,
+        return {"format": PROFILE_FORMAT, "features": list(FEATURES), "coef": dict(self.coef),
+                "ranges": {k: list(v) for k, v in self.ranges.items()},
                 "gap_s": self.gap_s, "request_latency_s": self.request_latency_s,
                 "token_latency_s": self.token_latency_s,
                 "fit_error": asdict(self.fit_error) if self.fit_error else None, "noise": self.noise,
@@ -231,11 +239,11 @@ class StepTimeModel:
             raise ProfileError(f"{source}: not a step-time profile (format {d.get('format')!r}, expected "
                                f"{PROFILE_FORMAT!r})")
         coef = d.get("coef") or {}
-        missing = [f for f in FEATURES if f not in coef]
+        missing = [f for f in FEATURES if f not in coef and f not in LATER_FEATURES]
         if missing:
             raise ProfileError(f"{source}: coef lacks {', '.join(missing)}")
         fe = d.get("fit_error")
-        return cls(coef={k: float(coef[k]) for k in FEATURES},
+        return cls(coef={k: float(coef[k]) for k in FEATURES if k in coef},
                    ranges={k: [float(v[0]), float(v[1])] for k, v in (d.get("ranges") or {}).items()},
                    gap_s=float(d.get("gap_s", 0.0)), request_latency_s=float(d.get("request_latency_s", 0.0)),
                    token_latency_s=float(d.get("token_latency_s", 0.0)),
