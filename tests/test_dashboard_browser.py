@@ -1,6 +1,6 @@
 """The dashboard in headless Chromium (Debian's chromium + chromium-driver at /usr/bin): every page loads without
 console errors, its graphs hold the expected points (read from the plotly graph divs), the Live page follows a
-real `slotune serve` engine, and a full-page screenshot of each page is saved to docs/screenshots/.
+real `slotune serve` engine, and a full-page screenshot of each page is saved to build/screenshots/ (untracked).
 
 One engine, one `slotune dashboard` process and one browser serve the whole module. Set SLOTUNE_SKIP_BROWSER=1 to
 skip these tests on a machine without Chromium (the README's test command installs it)."""
@@ -26,7 +26,7 @@ from dashboards.study import load_study
 from tests import dashboard_data as data
 from tests.server_helpers import REPO, SubprocessServer, free_port
 
-SCREENSHOTS = REPO / "docs" / "screenshots"
+SCREENSHOTS = REPO / "build" / "screenshots"  # untracked; the README shows real runs (docs/screenshots)
 TOKEN = "dashboard-test-token"
 WAIT_S = 90.0
 N_TRIALS = 12
@@ -130,7 +130,7 @@ def open_page(browser: Any, url: str, ready: Callable[[], Any], what: str) -> An
 
 
 def screenshot(browser: Any, name: str) -> Path:
-    """A full-page screenshot in docs/screenshots/NAME.png."""
+    """A full-page screenshot in build/screenshots/NAME.png."""
     return full_page_screenshot(browser, SCREENSHOTS / f"{name}.png")
 
 
