@@ -60,7 +60,8 @@ def run_tune(out: Path, name: str, w: dict[str, Any], args: argparse.Namespace) 
     policy = out / f"{name}.policy.yaml"
     write_policy(policy, w, args.slo_p99_tbt, args.trials, args.trial_duration)
     cmd = [sys.executable, "-m", "tuner.cli", "--policy", str(policy), "--out", str(out / f"{name}.yaml"),
-           "--storage", str(out / "bench-study.db"), "--study-name", f"bench-{name}-{int(time.time())}", "--rate", args.rate]
+           "--storage", str(out / "bench-study.db"), "--study-name", f"bench-{name}-{int(time.time())}",
+           "--rate", args.rate]
     print(f"$ {' '.join(cmd)}", flush=True)
     subprocess.run(cmd, cwd=out, check=False)
 

@@ -82,7 +82,8 @@ def test_profile_round_trips_and_bad_files_name_the_problem(tmp_path: Path) -> N
     del old["coef"]["prefill_step"]
     older = StepTimeModel.from_dict(old)
     assert older.coef["prefill_step"] == 0.0
-    assert older.predict(2, 40, 8, 1000, 16) == pytest.approx(model.predict(2, 40, 8, 1000, 16) - model.coef["prefill_step"])
+    expected = model.predict(2, 40, 8, 1000, 16) - model.coef["prefill_step"]
+    assert older.predict(2, 40, 8, 1000, 16) == pytest.approx(expected)
     del old["coef"]["seqs"]
     with pytest.raises(ProfileError, match="coef lacks seqs"):
         StepTimeModel.from_dict(old)

@@ -21,7 +21,8 @@ from policies import SAMPLERS, PruningSpec, load_policy
 from tuner.objective import evaluate_capacity
 from tuner.pruning import PruneWatcher, gaps_above, itl_buckets
 from tuner.study import (HEARTBEAT_STALE_S, ROLE_DEFAULT, Heartbeat, StorageError, best_trial, closest_trial,
-                         counted_trials, default_trial, enqueue_default, open_storage, open_study, recover_orphans, run_trials)
+                         counted_trials, default_trial, enqueue_default, open_storage, open_study, recover_orphans,
+                         run_trials)
 from tuner.trial_runner import TrialOutcome, feasibility, step_stats
 
 DEFAULT_KNOBS = {"max_num_seqs": 64, "max_num_batched_tokens": 512, "chunk_size": None, "block_size": 16}

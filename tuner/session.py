@@ -125,7 +125,8 @@ class TuneSession:
         ranked = screen(study=study, policy=self.policy, runner=runner, n=self.args.screen, out_dir=self.trials_dir)
         feasible = sum(s.outcome.feasible for s in ranked)
         say(f"{PROG}: screened {len(ranked)} configs in {format_duration(time.monotonic() - t0)}: {feasible} "
-            f"predicted feasible; the best {min(CONFIRMED, len(ranked))} are the next trials (ranking: {self.trials_dir / 'screen.json'})")
+            f"predicted feasible; the best {min(CONFIRMED, len(ranked))} are the next trials "
+            f"(ranking: {self.trials_dir / 'screen.json'})")
 
     def choose_rate(self, study: optuna.Study, runner: TrialRunner) -> tuple[float, str]:
         stored = study.user_attrs.get("rate")
