@@ -115,7 +115,7 @@ def sweep_body(settings: DashboardSettings, name: str | None) -> list[Any]:
                             "curves-simulated", "warning"))
     parts += [html.P(info, className="info"), graph("curves-graph", figures.sweep_curves_figure(sweep)),
               table([sweep.knob, "tokens/s", "goodput req/s", "p99 TBT ms", "p99 TTFT s", "feasible", "reason",
-                     "", "trial"], rows, "curves-table")]
+                     "knee", "trial"], rows, "curves-table")]
     return parts
 
 
