@@ -15,10 +15,7 @@ import os
 import torch
 
 from engine import LLM, SamplingParams
-
-
-def quantile(sorted_values: list[float], q: float) -> float:
-    return sorted_values[int(q * (len(sorted_values) - 1))]
+from loadtest.summary import percentile
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ms = sorted(r.total_s * 1e3 for r in steps)
     result = {
         "threads": args.threads, "dtype": args.dtype, "decode_steps": len(ms),
-        "p50_ms": quantile(ms, 0.5), "p90_ms": quantile(ms, 0.9), "p99_ms": quantile(ms, 0.99), "max_ms": ms[-1],
+        "p50_ms": percentile(ms, 50), "p90_ms": percentile(ms, 90), "p99_ms": percentile(ms, 99), "max_ms": ms[-1],
         "share_above_slo": sum(1 for x in ms if x > args.slo_ms) / len(ms), "slo_ms": args.slo_ms,
         "loadavg": os.getloadavg(),
     }

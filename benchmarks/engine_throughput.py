@@ -248,6 +248,7 @@ def run_batch1(args: argparse.Namespace, llm: Any, vocab_size: int, torch: Any) 
     """Decode steps of a lone request: median total_s (and forward_s) over all runs. Each run is preceded by a
     bandwidth measurement, so that every run also has a bound taken under the same load (`pair_ratios`)."""
     from engine import SamplingParams
+    from loadtest.summary import percentile
 
     rng = random.Random(args.seed + 20_000)
     weight_bytes = llm.engine.model.weight_bytes()
@@ -277,18 +278,11 @@ def run_batch1(args: argparse.Namespace, llm: Any, vocab_size: int, torch: Any) 
     return {
         "prompt_tokens": args.batch1_prompt, "decode_steps_per_run": args.batch1_tokens,
         "runs": args.batch1_repeats, "median_total_s": median(steps_total), "median_forward_s": median(steps_forward),
-        "p10_total_s": quantile(steps_total, 0.10), "p90_total_s": quantile(steps_total, 0.90),
+        "p10_total_s": percentile(steps_total, 10), "p90_total_s": percentile(steps_total, 90),
         "best_run_median_total_s": min(r["median_total_s"] for r in per_run),
         "pair_ratios": [r["ratio"] for r in per_run], "per_run": per_run, "bandwidth": bandwidth,
         "weight_bytes": weight_bytes,
     }
-
-
-def quantile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 def load_hf_model(args: argparse.Namespace, model_dir: Path, torch: Any) -> Any:
