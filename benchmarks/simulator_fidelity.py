@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,11 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("Azure code x0.05, 4 seqs / 64 tok", {"max_num_seqs": 4, "max_num_batched_tokens": 64, "chunk_size": 64,
                                            "block_size": 8},
      {"workload": CODE_TRACE, "length_scale": 0.05, "max_context": 1024, "rate": 0.6, "trace_offset": 600.0}),
+    # overloaded even on an idle machine (case 2 is overloaded only on a loaded one): throughput is then the engine's
+    # capacity under this config, not the offered rate
+    ("mixed x0.125 overloaded (6 req/s), 5 seqs / 80 tok", {"max_num_seqs": 5, "max_num_batched_tokens": 80,
+                                                            "chunk_size": 40, "block_size": 32},
+     {"workload": "mixed", "length_scale": 0.125, "rate": 6.0}),
 ]
 METRICS = ("throughput_rps", "output_tokens_per_s", "tbt_p50", "tbt_p99", "ttft_p50", "ttft_p99", "goodput_rps")
 
@@ -65,13 +71,23 @@ def load_config(n: int, load: dict[str, Any], duration: float, url: str, out: Pa
 
 
 def compare_case(name: str, knobs: dict[str, Any], load: dict[str, Any], cfg: LoadConfig, real: dict[str, Any],
-                 real_steps: list[dict[str, Any]], model: StepTimeModel) -> dict[str, Any]:
+                 real_steps: list[dict[str, Any]], model: StepTimeModel,
+                 rescaled: StepTimeModel | None = None, draws: int = 0) -> dict[str, Any]:
     engine_knobs = {**EngineConfig().knobs(), **knobs}
     _, sim = simulate_load(cfg, engine_knobs, model, limits=limits_of(model))
     row: dict[str, Any] = {"case": name, "knobs": knobs, "load": load,
                            "real": {m: real.get(m) for m in METRICS}, "sim": {m: sim.get(m) for m in METRICS},
                            "error": {m: rel(sim.get(m), real.get(m)) for m in METRICS},
                            "real_warnings": real.get("warnings"), "sim_warnings": sim.get("warnings")}
+    if draws:
+        tbt = p99_tbt_draws(cfg, engine_knobs, model, draws)
+        row["sim_tbt_p99_draws"] = tbt
+        row["error_tbt_p99_draws_median"] = rel(float(np.median(tbt)), real.get("tbt_p99"))
+    if rescaled is not None:
+        # What `tune --screen` predicts: the profile rescaled to another real run's steps (its default trial's)
+        _, sim_rescaled = simulate_load(cfg, engine_knobs, rescaled, limits=limits_of(model))
+        row.update(sim_rescaled={m: sim_rescaled.get(m) for m in METRICS},
+                   error_rescaled={m: rel(sim_rescaled.get(m), real.get(m)) for m in METRICS})
     if real_steps:
         # The same simulation with the step-time model refitted on this run's own steps: what is left is the
         # scheduler / clock / HTTP structure, not the drift of the machine's speed since calibration.
@@ -86,6 +102,40 @@ def compare_case(name: str, knobs: dict[str, Any], load: dict[str, Any], cfg: Lo
     return row
 
 
+@dataclass
+class ReseededTimer:
+    """A step-time model whose step-variation draws use another seed (arrivals keep theirs): one more Monte-Carlo
+    draw of the same simulation."""
+
+    model: StepTimeModel
+    draw: int
+
+    def __post_init__(self) -> None:
+        self.gap_s, self.request_latency_s = self.model.gap_s, self.model.request_latency_s
+        self.token_latency_s = self.model.token_latency_s
+
+    def bind(self, block_size: int, seed: int | None = 0) -> Any:
+        return self.model.bind(block_size, (seed or 0) * 1000 + self.draw)
+
+    def check_range(self, observed: dict[str, Any]) -> list[str]:
+        return self.model.check_range(observed)
+
+
+def p99_tbt_draws(cfg: LoadConfig, knobs: dict[str, Any], model: StepTimeModel, draws: int) -> list[float]:
+    """The simulated p99 TBT under ``draws`` different draws of the step-to-step variation."""
+    return [simulate_load(cfg, knobs, ReseededTimer(model, k), limits=limits_of(model))[1]["tbt_p99"]
+            for k in range(draws)]
+
+
+def real_steps_of(out: Path, n: int, knobs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The engine's step records of case ``n``'s real run in ``out`` (each with the case's block size)."""
+    steps_file = out / f"real{n}" / "engine_steps.jsonl"
+    if not steps_file.exists():
+        return []
+    block_size = {**EngineConfig().knobs(), **knobs}["block_size"]
+    return [{**json.loads(line), "block_size": block_size} for line in steps_file.read_text().splitlines()]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -93,6 +143,12 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--seconds-per-config", type=float, default=30.0)
     p.add_argument("--cases", default=None, help="comma-separated case numbers (1-based) to run")
+    p.add_argument("--rescale-on", type=int, default=None, metavar="CASE",
+                   help="with --resimulate: also simulate every other case with the profile rescaled to this case's "
+                        "real steps (StepTimeModel.rescaled, as `tune --screen` does with its default trial's)")
+    p.add_argument("--draws", type=int, default=0,
+                   help="also simulate each case under this many draws of the step variation (Monte-Carlo spread "
+                        "of the simulated p99 TBT)")
     p.add_argument("--resimulate", action="store_true",
                    help="no engine: simulate again (with --profile) against the real runs already in --out")
     args = p.parse_args()
@@ -105,16 +161,23 @@ def main() -> int:
     rows = []
     if args.resimulate:
         model = StepTimeModel.load(args.profile or out / "profile.json")
+        rescaled = None
+        if args.rescale_on is not None:
+            on = args.rescale_on - 1
+            rescaled = model.rescaled(real_steps_of(out, on, CASES[on][1]))
+            if rescaled is None:
+                p.error(f"--rescale-on {args.rescale_on}: that case has too few real steps in {out}")
+            print(f"profile rescaled x{rescaled.meta['rescaled']['scale']:.3f} to case {args.rescale_on}'s "
+                  f"{rescaled.meta['rescaled']['steps']} steps", file=sys.stderr)
         for n, (name, knobs, load) in numbered:
             real_dir = out / f"real{n}"
             if not (real_dir / "summary.json").exists():
                 continue
             real = json.loads((real_dir / "summary.json").read_text())
-            steps_file = real_dir / "engine_steps.jsonl"
-            real_steps = [json.loads(line) for line in steps_file.read_text().splitlines()] \
-                if steps_file.exists() else []
             rows.append(compare_case(name, knobs, load, load_config(n, load, args.duration, "", out), real,
-                                     real_steps, model))
+                                     real_steps_of(out, n, knobs), model,
+                                     rescaled if args.rescale_on is not None and n != args.rescale_on - 1 else None,
+                                     args.draws))
     else:
         with ManagedEngine(log_path=str(out / "engine.log")) as handle:
             if args.profile:
@@ -138,12 +201,19 @@ def main() -> int:
                 real_steps, _ = handle.steps(last)
                 (out / f"real{n}" / "engine_steps.jsonl").write_text("".join(json.dumps(st) + "\n"
                                                                              for st in real_steps))
-                rows.append(compare_case(name, knobs, load, cfg, real,
-                                         real_steps, model))
+                rows.append(compare_case(name, knobs, load, cfg, real, real_steps, model, draws=args.draws))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     (out / ("fidelity-resimulated.json" if args.resimulate else "fidelity.json")).write_text(json.dumps(
         {"profile": args.profile, "profile_fit_error": model.to_dict()["fit_error"], "rows": rows}, indent=2))
+    if args.draws:
+        print(f"\np99 TBT under {args.draws} draws of the step variation (calibrated profile)\n")
+        for r in rows:
+            ms = [round(v * 1000) for v in r["sim_tbt_p99_draws"]]
+            print(f"- {r['case']}: real {r['real']['tbt_p99'] * 1000:.0f} ms, simulated {min(ms)}-{max(ms)} ms, "
+                  f"median {float(np.median(ms)):.0f} ms ({r['error_tbt_p99_draws_median']:+.0%})")
     for sim_key, err_key, title in (("sim", "error", "calibrated profile"),
+                                    ("sim_rescaled", "error_rescaled",
+                                     f"profile rescaled to case {args.rescale_on}'s real steps (tune --screen)"),
                                     ("sim_refit", "error_refit", "step-time model refitted on the run's own steps")):
         print(f"\n{title}\n")
         print("| case | throughput real / sim (err) | p99 TBT real / sim (err) | p99 TTFT real / sim (err) |")

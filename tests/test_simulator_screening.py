@@ -8,7 +8,7 @@ import pytest
 
 from loadtest.summary import SLO
 from policies import parse_policy
-from tuner.screening import sample_configs, screen
+from tuner.screening import measured_steps, sample_configs, screen, sim_runner_like
 from tuner.search_comparison import compare, grid_configs, space_configs
 from tuner.simulator_trial import SimTrialRunner
 from tuner.step_time_model import StepTimeModel
@@ -96,3 +96,43 @@ def test_screen_accepts_the_tuners_real_trial_runner(tmp_path) -> None:  # type:
     assert len(ranked) == 4 and all(s.outcome.simulated and s.outcome.rate == 1.0 for s in ranked)
     assert all(s.outcome.knobs["block_size"] == 16 for s in ranked)  # laid over the runner's base config
     assert len(study.get_trials(states=(optuna.trial.TrialState.WAITING,))) == 3
+
+
+def test_the_screens_simulator_runs_at_the_speed_the_engine_just_measured(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # `tune --screen` runs the default config first; its trial folder's step records rescale the profile, so a box
+    # that got slower since calibration is screened at its present speed.
+    import json
+
+    import optuna
+
+    from tuner.engine_handle import EngineHandle
+    from tuner.simulator_cli import profile_path
+    from tuner.trial_runner import TrialRunner
+
+    profile = StepTimeModel.load(profile_path(None))
+    shapes = [(0, 0, 1, 40), (0, 0, 4, 300), (1, 24, 3, 200), (2, 64, 0, 64), (0, 0, 8, 900)]
+    steps = []
+    for i in range(60):
+        p_seqs, p_tok, dec, ctx = shapes[i % len(shapes)]
+        rec = {"num_prefill_seqs": p_seqs, "num_prefill_tokens": p_tok, "num_decode_tokens": dec,
+               "context_tokens": ctx, "num_swapped_blocks": 0}
+        steps.append({**rec, "total_s": 2.0 * profile.predict_record(rec, 16)})
+    trial_dir = tmp_path / "trial-0000"
+    trial_dir.mkdir()
+    (trial_dir / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    study = optuna.create_study(direction="maximize")
+    study.add_trial(optuna.trial.create_trial(value=1.0, user_attrs={
+        "knobs": {"max_num_seqs": 8, "block_size": 16}, "trial_dir": str(trial_dir), "simulated": False}))
+    study.add_trial(optuna.trial.create_trial(value=1.0, user_attrs={  # a simulated trial tells nothing
+        "knobs": {"block_size": 16}, "trial_dir": str(tmp_path / "nowhere"), "simulated": True}))
+    measured = measured_steps(study)
+    assert len(measured) == 60 and all(s["block_size"] == 16 for s in measured)
+
+    real = TrialRunner(EngineHandle("http://127.0.0.1:9"), workload=POLICY.workload, rate=1.0, duration=6.0,
+                       warmup=1.0, slo=SLO(tbt_p99=0.8), base_knobs={"block_size": 16})
+    twin, slower = sim_runner_like(real), sim_runner_like(real, measured=measured)
+    assert "rescaled" not in twin.timer.meta  # type: ignore[attr-defined]
+    assert slower.timer.meta["rescaled"] == {"scale": pytest.approx(2.0), "steps": 60}  # type: ignore[attr-defined]
+    knobs = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "chunk_size": 32}
+    fast_tbt, slow_tbt = twin.run(knobs).summary["tbt_p50"], slower.run(knobs).summary["tbt_p50"]
+    assert 1.7 < slow_tbt / fast_tbt < 3.2  # 2x per step; a little more as slower steps batch more requests

@@ -102,3 +102,20 @@ def test_step_to_step_variation_is_kept_and_drawn_reproducibly() -> None:
     assert 0.85 < float(np.median(sample)) / true < 1.15  # ... around the true time, though the fit is biased low
     assert plain < true
     assert StepTimeModel.from_dict(model.to_dict()).noise == model.noise
+
+
+def test_rescaled_to_a_slower_machine_predicts_its_steps() -> None:
+    # Calibrated on a quiet machine; a trial then runs while the box is 1.6x slower and noisier (other load).
+    model = StepTimeModel.fit(synthetic_steps(400, seed=3))
+    slow = [{**s, "total_s": s["total_s"] * 1.6} for s in synthetic_steps(300, seed=4, noise=0.2)]
+    adapted = model.rescaled(slow)
+    assert adapted is not None
+    assert adapted.meta["rescaled"]["scale"] == pytest.approx(1.6, rel=0.05)
+    assert adapted.meta["rescaled"]["steps"] == 300
+    new = synthetic_steps(50, seed=5)  # other shapes than the trial's
+    for s in new:
+        assert adapted.predict_record(s) == pytest.approx(1.6 * model.predict_record(s), rel=0.05)
+    # the profile's step-to-step variation and range stay; the model rescaled from is unchanged
+    assert adapted.noise == model.noise and adapted.ranges == model.ranges
+    assert model.coef == StepTimeModel.fit(synthetic_steps(400, seed=3)).coef
+    assert model.rescaled(slow[:10]) is None  # too few steps to say how fast the machine runs

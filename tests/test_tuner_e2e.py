@@ -117,6 +117,10 @@ def test_tune_writes_a_servable_config_whose_p99_tbt_meets_the_slo(
                       "--study-name", "screened",
                       "--engine-url", server.url, "--admin-token", "secret", "--out", "out3/tuned.yaml"], d)
         assert proc3.returncode in (0, 1) and "Traceback" not in proc3.stderr, proc3.stdout + proc3.stderr
+        # the default config runs first; the screen's step times are the profile's rescaled to its steps
+        assert re.search(r"screening 40 configs in the simulator \(step times x\d+\.\d\d: the profile rescaled to "
+                         r"\d+ steps the engine just ran\)", proc3.stdout), proc3.stdout
+        assert proc3.stdout.index("default config") < proc3.stdout.index("screening 40 configs"), proc3.stdout
         assert re.search(r"screened 24 configs in .*predicted feasible", proc3.stdout), proc3.stdout
         assert "simulator's prediction against the engine's measurement:" in proc3.stdout, proc3.stdout
         screened = proc3.stdout.split("simulator's prediction against the engine's measurement:")[1].splitlines()

@@ -66,16 +66,33 @@ def rank(screened: list[Screened]) -> list[Screened]:
     return sorted(screened, key=lambda s: (not s.outcome.feasible, -s.goodput))
 
 
-def sim_runner_like(runner: TrialRunner, profile: str | Path | None = None) -> SimTrialRunner:
+def sim_runner_like(runner: TrialRunner, profile: str | Path | None = None,
+                    measured: list[dict[str, Any]] | None = None) -> SimTrialRunner:
     """A simulated twin of a real TrialRunner: same workload, rate, window, SLO, seed and base config; step times
-    from ``profile`` (default: $SLOTUNE_PROFILE, else the shipped profile)."""
+    from ``profile`` (default: $SLOTUNE_PROFILE, else the shipped profile), rescaled to the engine's ``measured``
+    step records when there are enough of them (StepTimeModel.rescaled; the scale is in ``timer.meta``)."""
     from tuner.simulator_cli import limits_of, profile_path
     from tuner.step_time_model import StepTimeModel
 
     model = StepTimeModel.load(profile_path(str(profile) if profile else None))
+    model = (model.rescaled(measured) if measured else None) or model
     return SimTrialRunner(model, limits=limits_of(model), workload=runner.workload, rate=runner.rate,
                           duration=runner.duration, warmup=runner.warmup, slo=runner.slo,  # type: ignore[arg-type]
                           seed=runner.seed, base_knobs=dict(runner.base_knobs or {}))
+
+
+def measured_steps(study: optuna.Study) -> list[dict[str, Any]]:
+    """The engine's step records of the study's completed real trials (each trial folder's steps.jsonl, capacity
+    probes included), each with its trial's block size."""
+    out: list[dict[str, Any]] = []
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        block_size = (t.user_attrs.get("knobs") or {}).get("block_size")
+        if t.user_attrs.get("simulated") or not t.user_attrs.get("trial_dir") or block_size is None:
+            continue
+        for path in sorted(Path(t.user_attrs["trial_dir"]).rglob("steps.jsonl")):
+            out += [{**json.loads(line), "block_size": block_size} for line in path.read_text().splitlines()
+                    if line.strip()]
+    return out
 
 
 def screen(policy: Policy, n: int, runner: SimTrialRunner | TrialRunner, seed: int = 0,

@@ -105,9 +105,9 @@ class TuneSession:
         say(f"{PROG}: study {self.study_name!r}: {p.trials} trials of {format_duration(p.trial_duration)} "
             f"(+{format_duration(p.warmup)} warm-up) at {rate:.3g} req/s, {p.sampler} sampler, objective "
             f"{p.objective}, SLO {self.slo_text()}" + (f"; resuming with {done_before} done" if done_before else ""))
-        if getattr(self.args, "screen", None):
-            self.screen(study, runner)
         try:
+            if getattr(self.args, "screen", None):
+                self.screen(study, runner)
             run_trials(study, runner, p, p.trials, self.trials_dir, on_trial=self.progress)
         except EngineError as error:
             print(f"{PROG}: error: {error}", file=sys.stderr)
@@ -118,11 +118,20 @@ class TuneSession:
         """--screen N: the simulator screens N configs and enqueues the best few into the study, whose next trials
         confirm them on the engine (predicted against measured is printed at the end)."""
         # the simulator (it runs the engine's torch-free scheduler) is imported only when asked for
-        from tuner.screening import CONFIRMED, screen
+        from tuner.screening import CONFIRMED, measured_steps, screen, sim_runner_like
 
-        say(f"{PROG}: screening {self.args.screen} configs in the simulator ...")
+        if not measured_steps(study):
+            # the default config's trial (enqueued first) runs before the screen: its step records tell the
+            # simulator how fast the engine runs now, which drifts from the profile's calibration
+            run_trials(study, runner, self.policy, self.policy.trials, self.trials_dir, on_trial=self.progress,
+                       max_runs=1)
+        sim = sim_runner_like(runner, measured=measured_steps(study))
+        rescaled = sim.timer.meta.get("rescaled")  # type: ignore[attr-defined]
+        say(f"{PROG}: screening {self.args.screen} configs in the simulator"
+            + (f" (step times x{rescaled['scale']:.2f}: the profile rescaled to {rescaled['steps']} steps the engine"
+               f" just ran)" if rescaled else " (profile as calibrated: no engine steps measured yet)") + " ...")
         t0 = time.monotonic()
-        ranked = screen(study=study, policy=self.policy, runner=runner, n=self.args.screen, out_dir=self.trials_dir)
+        ranked = screen(study=study, policy=self.policy, runner=sim, n=self.args.screen, out_dir=self.trials_dir)
         feasible = sum(s.outcome.feasible for s in ranked)
         say(f"{PROG}: screened {len(ranked)} configs in {format_duration(time.monotonic() - t0)}: {feasible} "
             f"predicted feasible; the best {min(CONFIRMED, len(ranked))} are the next trials "

@@ -46,6 +46,7 @@ INPUTS = ("num_prefill_seqs", "num_prefill_tokens", "num_decode_tokens", "contex
 PROFILE_FORMAT = "slotune-step-time-model/1"
 LOWER_CHECKED = frozenset({"block_size"})  # inputs whose lower bound is checked too (see check_range)
 NOISE_POINTS = 201  # quantiles of the step-to-step variation kept in a profile
+MIN_RESCALE_STEPS = 30  # a trial with fewer busy steps says too little about the machine's speed (see rescaled)
 
 # A step function as the simulator calls it: (prefill seqs, prefill tokens, decode tokens, context tokens,
 # swapped blocks) -> seconds; the block size is bound when the function is made.
@@ -152,6 +153,28 @@ class StepTimeModel:
         """The same model (latencies, meta) fitted anew to other step records, e.g. a real trial's own."""
         return StepTimeModel.fit(steps, block_size, gap_s=self.gap_s, request_latency_s=self.request_latency_s,
                                  token_latency_s=self.token_latency_s, meta=self.meta)
+
+    def rescaled(self, steps: Iterable[Mapping[str, Any]], block_size: int | None = None,
+                 min_steps: int = MIN_RESCALE_STEPS) -> StepTimeModel | None:
+        """This model with every coefficient scaled by the median measured/predicted ratio of ``steps`` (a real
+        trial's): the machine's drift since calibration (other load on the box, another clock) corrected without
+        refitting the model's shape, which one trial's few step shapes could not pin down. The step-to-step variation
+        stays the profile's: measured over all calibration configs, it is a broader sample than one trial's (with
+        the trial's own, held-out p99 TBT predictions got worse in the fidelity benchmark). None when fewer than
+        ``min_steps`` records do work."""
+        steps = [s for s in steps if s["num_prefill_tokens"] + s["num_decode_tokens"] > 0 and s["total_s"] > 0]
+        if len(steps) < min_steps:
+            return None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ExtrapolationWarning)  # a trial's own shapes may leave the profile
+            pred = np.array([self.predict_record(s, block_size) for s in steps])
+        y = np.array([float(s["total_s"]) for s in steps])
+        ok = pred > 0
+        scale = float(np.median(y[ok] / pred[ok]))
+        return StepTimeModel(coef={k: v * scale for k, v in self.coef.items()}, ranges=self.ranges, gap_s=self.gap_s,
+                             request_latency_s=self.request_latency_s, token_latency_s=self.token_latency_s,
+                             fit_error=self.fit_error, noise=list(self.noise),
+                             meta={**self.meta, "rescaled": {"scale": scale, "steps": int(ok.sum())}})
 
     # Predicting ---------------------------------------------------------------------------------------------
     def predict(self, num_prefill_seqs: int, num_prefill_tokens: int, num_decode_tokens: int, context_tokens: int,

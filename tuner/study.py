@@ -264,12 +264,12 @@ class TrialReport:
 
 def run_trials(study: optuna.Study, runner: TrialRunner, policy: Policy, n_trials: int, out_dir: Path,
                on_trial: Callable[[TrialReport], None] | None = None, capacity_probes: int = 3,
-               deadline: float | None = None) -> int:
-    """Ask/run/tell until the study holds ``n_trials`` counted trials (or ``deadline``, a time.monotonic(), passes);
-    returns how many this process ran."""
+               deadline: float | None = None, max_runs: int | None = None) -> int:
+    """Ask/run/tell until the study holds ``n_trials`` counted trials (or ``deadline``, a time.monotonic(), passes,
+    or this call has run ``max_runs``); returns how many this process ran."""
     ran = 0
     recover_orphans(study)
-    while counted_trials(study) < n_trials:
+    while counted_trials(study) < n_trials and (max_runs is None or ran < max_runs):
         check_stop()
         if deadline is not None and time.monotonic() > deadline:
             break
