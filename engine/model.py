@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import fused_decode
 from engine.attention import AttentionMetadata, paged_attention
 from engine.kv_cache import KVCache
 from engine.model_loader import ModelConfig
@@ -62,6 +63,14 @@ class LlamaModel:
         self.scale = head_dim ** -0.5
         self.inv_freq = 1.0 / (config.rope_theta ** (
             torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+        # The pure-decode layer loop in C++ (engine/fused_decode.py); fp32 only: in bf16 the norm below is not
+        # F.rms_norm, and the C++ loop mirrors the fp32 path.
+        self.fused = fused_decode.load() if dtype == torch.float32 else None
+        self._fused_weights = [
+            [layer.input_norm for layer in self.layers], [layer.qkv for layer in self.layers],
+            [layer.qkv_bias for layer in self.layers if layer.qkv_bias is not None],
+            [layer.o_proj for layer in self.layers], [layer.post_attention_norm for layer in self.layers],
+            [layer.gate_up for layer in self.layers], [layer.down for layer in self.layers]]
 
     def weight_bytes(self) -> int:
         """Bytes of weights one forward pass reads (the tied embedding is read once, as the LM head)."""
@@ -104,6 +113,12 @@ class LlamaModel:
         num_qk_heads = cfg.num_attention_heads + cfg.num_key_value_heads
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self._rope(positions)
+        if self.fused is not None and not meta.prefills and len(meta.decode_groups) == 1:
+            group = meta.decode_groups[0]
+            return self.fused.decode_layers(  # the loop below, in C++, bit for bit
+                hidden, cos, sin, meta.slot_mapping, group.block_tables, group.context_len, group.mask,
+                *self._fused_weights, kv_cache.key, kv_cache.value, cfg.num_attention_heads,
+                cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, self.scale)
         for index, layer in enumerate(self.layers):
             residual = hidden
             x = self._rms_norm(hidden, layer.input_norm)
