@@ -270,7 +270,7 @@ def run_batch1(args: argparse.Namespace, llm: Any, vocab_size: int, torch: Any) 
         if bw is None:
             continue
         if getattr(llm.engine.model, "fused", None) is not None:
-            # the same run with the Python layer loop (engine/fused_decode.py off): what the fused step saves
+            # the same run with the Python layer loop (engine/fused_layers.py off): what the fused loop saves
             fused, llm.engine.model.fused = llm.engine.model.fused, None
             try:
                 last_py = llm.step_records()[-1].step
@@ -524,7 +524,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"| memory-bandwidth bound | {fmt(b['bound_s'] * 1e3, 2)} ms |",
             f"| engine batch-1 step (median total_s) | {fmt(b['median_total_s'] * 1e3, 2)} ms |",
             f"| engine batch-1 forward (median forward_s) | {fmt(b['median_forward_s'] * 1e3, 2)} ms |",
-            f"| same, Python layer loop instead of the fused decode step (alternating runs) | "
+            f"| same, Python layer loop instead of the fused C++ loop (alternating runs) | "
             f"{fmt((b.get('python_loop_median_total_s') or math.nan) * 1e3, 2)} ms |",
             f"| transformers batch-1 step (reference) | {fmt((b.get('hf_step_s') or float('nan')) * 1e3, 2)} ms |",
             f"| step / bound | {fmt(r.get('batch1_step_vs_bound'), 2)}x "

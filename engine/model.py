@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine import fused_decode
+from engine import fused_layers
 from engine.attention import AttentionMetadata, paged_attention
 from engine.kv_cache import KVCache
 from engine.model_loader import ModelConfig
@@ -63,9 +63,9 @@ class LlamaModel:
         self.scale = head_dim ** -0.5
         self.inv_freq = 1.0 / (config.rope_theta ** (
             torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-        # The pure-decode layer loop in C++ (engine/fused_decode.py); fp32 only: in bf16 the norm below is not
-        # F.rms_norm, and the C++ loop mirrors the fp32 path.
-        self.fused = fused_decode.load() if dtype == torch.float32 else None
+        # The layer loop in C++ (engine/fused_layers.py); fp32 only: in bf16 the norm below is not F.rms_norm, and
+        # the C++ loop mirrors the fp32 path.
+        self.fused = fused_layers.load() if dtype == torch.float32 else None
         self._fused_weights = [
             [layer.input_norm for layer in self.layers], [layer.qkv for layer in self.layers],
             [layer.qkv_bias for layer in self.layers if layer.qkv_bias is not None],
@@ -113,10 +113,14 @@ class LlamaModel:
         num_qk_heads = cfg.num_attention_heads + cfg.num_key_value_heads
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self._rope(positions)
-        if self.fused is not None and not meta.prefills and len(meta.decode_groups) == 1:
-            group = meta.decode_groups[0]
-            return self.fused.decode_layers(  # the loop below, in C++, bit for bit
-                hidden, cos, sin, meta.slot_mapping, group.block_tables, group.context_len, group.mask,
+        if self.fused is not None:
+            groups, chunks = meta.decode_groups, meta.prefills
+            return self.fused.decoder_layers(  # the loop below, in C++, bit for bit
+                hidden, cos, sin, meta.slot_mapping,
+                [g.start for g in groups], [g.end for g in groups], [g.context_len for g in groups],
+                [g.block_tables for g in groups], [g.mask for g in groups],
+                [c.start for c in chunks], [c.end for c in chunks], [c.context_len for c in chunks],
+                [c.block_table for c in chunks], [c.mask for c in chunks],
                 *self._fused_weights, kv_cache.key, kv_cache.value, cfg.num_attention_heads,
                 cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, self.scale)
         for index, layer in enumerate(self.layers):
