@@ -120,12 +120,14 @@ class TuneSession:
         # the simulator (it runs the engine's torch-free scheduler) is imported only when asked for
         from tuner.screening import CONFIRMED, measured_steps, screen, sim_runner_like
 
-        if not measured_steps(study):
+        steps = measured_steps(study)
+        if not steps:
             # the default config's trial (enqueued first) runs before the screen: its step records tell the
             # simulator how fast the engine runs now, which drifts from the profile's calibration
             run_trials(study, runner, self.policy, self.policy.trials, self.trials_dir, on_trial=self.progress,
                        max_runs=1)
-        sim = sim_runner_like(runner, measured=measured_steps(study))
+            steps = measured_steps(study)
+        sim = sim_runner_like(runner, measured=steps)
         rescaled = sim.timer.meta.get("rescaled")  # type: ignore[attr-defined]
         say(f"{PROG}: screening {self.args.screen} configs in the simulator"
             + (f" (step times x{rescaled['scale']:.2f}: the profile rescaled to {rescaled['steps']} steps the engine"
