@@ -254,7 +254,7 @@ def run_batch1(args: argparse.Namespace, llm: Any, vocab_size: int, torch: Any) 
     weight_bytes = llm.engine.model.weight_bytes()
     steps_total: list[float] = []
     steps_forward: list[float] = []
-    python_totals: list[float] = []
+    variant_totals: dict[str, list[float]] = {"python_loop": [], "aten_only": []}
     per_run = []
     bandwidth = []
     n = args.batch1_tokens + 1  # the first token comes from the prefill step
@@ -269,16 +269,20 @@ def run_batch1(args: argparse.Namespace, llm: Any, vocab_size: int, torch: Any) 
                   if r.num_prefill_tokens == 0 and r.num_decode_tokens == 1]
         if bw is None:
             continue
-        if getattr(llm.engine.model, "fused", None) is not None:
-            # the same run with the Python layer loop (engine/fused_layers.py off): what the fused loop saves
-            fused, llm.engine.model.fused = llm.engine.model.fused, None
-            try:
-                last_py = llm.step_records()[-1].step
-                llm.generate([prompt], SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True))
-            finally:
-                llm.engine.model.fused = fused
-            python_totals += [r.total_s for r in llm.step_records(last_py)
-                              if r.num_prefill_tokens == 0 and r.num_decode_tokens == 1]
+        model = llm.engine.model
+        if model.kernels is not None:
+            # The same run without each of the C++ kernels (engine/fused_layers.py), alternating: what each saves.
+            for variant, kernels, fused_loop in (("python_loop", model.kernels, False), ("aten_only", None, False)):
+                saved = model.kernels, model.fused_loop
+                model.kernels, model.fused_loop = kernels, fused_loop
+                try:
+                    last_variant = llm.step_records()[-1].step
+                    llm.generate([prompt], SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0,
+                                                          ignore_eos=True))
+                finally:
+                    model.kernels, model.fused_loop = saved
+                variant_totals[variant] += [r.total_s for r in llm.step_records(last_variant)
+                                            if r.num_prefill_tokens == 0 and r.num_decode_tokens == 1]
         totals = [r.total_s for r in decode]
         steps_total += totals
         steps_forward += [r.forward_s for r in decode]
@@ -293,7 +297,9 @@ def run_batch1(args: argparse.Namespace, llm: Any, vocab_size: int, torch: Any) 
         "best_run_median_total_s": min(r["median_total_s"] for r in per_run),
         "pair_ratios": [r["ratio"] for r in per_run], "per_run": per_run, "bandwidth": bandwidth,
         "weight_bytes": weight_bytes,
-        "python_loop_median_total_s": median(python_totals) if python_totals else None,
+        # the Python layer loop with the C++ small-batch linear; neither C++ kernel (ATen's linear, Python loop)
+        **{f"{variant}_median_total_s": median(totals) if totals else None
+           for variant, totals in variant_totals.items()},
     }
 
 
@@ -526,6 +532,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"| engine batch-1 forward (median forward_s) | {fmt(b['median_forward_s'] * 1e3, 2)} ms |",
             f"| same, Python layer loop instead of the fused C++ loop (alternating runs) | "
             f"{fmt((b.get('python_loop_median_total_s') or math.nan) * 1e3, 2)} ms |",
+            f"| same, neither C++ kernel (Python layer loop, ATen's linear; alternating runs) | "
+            f"{fmt((b.get('aten_only_median_total_s') or math.nan) * 1e3, 2)} ms |",
             f"| transformers batch-1 step (reference) | {fmt((b.get('hf_step_s') or float('nan')) * 1e3, 2)} ms |",
             f"| step / bound | {fmt(r.get('batch1_step_vs_bound'), 2)}x "
             f"(target <= {TARGETS['batch1_step_vs_bound']}x) |",

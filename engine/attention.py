@@ -1,13 +1,15 @@
 """Torch attention over the paged KV cache for one flattened variable-length batch.
 
-The batch is laid out decodes first, then prefill chunks. Decode tokens are grouped by context length so that
-each group gathers its keys and values once, padded only to the group's longest context; each prefill chunk
-attends to its sequence's cached context plus itself with a causal mask.
+The batch is laid out decodes first, then prefill chunks. Decode tokens are grouped by context length; with the C++
+kernels (engine/fused_layers.py, fp32) a group's queries read their keys and values in place through the block
+tables, otherwise the group gathers them once, padded only to its longest context. Each prefill chunk attends to
+its sequence's cached context plus itself with a causal mask.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,7 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [seqs, blocks], padded with block 0
     context_len: int  # the group's longest context; shorter ones are masked
     mask: torch.Tensor | None  # [seqs, 1, 1, context_len] True where attended; None when all contexts are equal
+    context_lens: torch.Tensor  # [seqs] each sequence's context, the new token included
 
 
 @dataclass
@@ -39,14 +42,16 @@ class AttentionMetadata:
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                    value_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    value_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    kernels: Any | None = None) -> torch.Tensor:
     """query [tokens, heads, dim]; key/value [tokens, kv_heads, dim] (already written to the cache);
-    key_cache/value_cache [blocks, block_size, kv_heads, dim]. Returns [tokens, heads, dim]."""
+    key_cache/value_cache [blocks, block_size, kv_heads, dim]; kernels: engine/fused_layers.py's module or None.
+    Returns [tokens, heads, dim]."""
     if len(meta.decode_groups) == 1 and not meta.prefills:  # pure decode of one group: no copy into `out`
-        return _decode_group(query, key_cache, value_cache, meta.decode_groups[0], scale)
+        return _decode_group(query, key_cache, value_cache, meta.decode_groups[0], scale, kernels)
     out = torch.empty_like(query)
     for group in meta.decode_groups:
-        out[group.start : group.end] = _decode_group(query, key_cache, value_cache, group, scale)
+        out[group.start : group.end] = _decode_group(query, key_cache, value_cache, group, scale, kernels)
     for chunk in meta.prefills:
         q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, heads, chunk, dim]
         if chunk.mask is None:  # nothing cached before the chunk: attend to the chunk's own keys
@@ -62,7 +67,10 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def _decode_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: DecodeGroup,
-                  scale: float) -> torch.Tensor:
+                  scale: float, kernels: Any | None) -> torch.Tensor:
+    if kernels is not None and key_cache.dtype == torch.float32:
+        return kernels.decode_attention(query[group.start : group.end], key_cache, value_cache, group.block_tables,
+                                        group.context_lens, scale)
     k = _gather(key_cache, group.block_tables)[..., : group.context_len, :]  # [seqs, kv_heads, ctx, dim]
     v = _gather(value_cache, group.block_tables)[..., : group.context_len, :]
     q = query[group.start : group.end].unsqueeze(2)  # [seqs, heads, 1, dim]

@@ -1,16 +1,22 @@
-"""The fused layer loop: engine/fused_layers.cpp, the decoder's layer loop of one step (decode groups and prefill
-chunks) as one C++ call to the same ATen ops in the same order as LlamaModel.forward and paged_attention, so the
-results are bit-identical, built once with torch.utils.cpp_extension (g++ and ninja) into the cache folder. A
-batch-1 decode step is ~1,700 small ATen calls besides its ~120 matrix-vector products; from Python each costs a
-few microseconds of binding overhead, together a sixth of the step on a CPU.
+"""The engine's C++ kernels, engine/fused_layers.cpp, built once with torch.utils.cpp_extension (g++ and ninja)
+into the cache folder, for this CPU (-march=native; the folder is named after the CPU's model and features):
+
+- ``decoder_layers``: the decoder's layer loop of one step (decode groups and prefill chunks) as one C++ call to the
+  same ops in the same order as LlamaModel.forward and paged_attention, so the results are bit-identical. A batch-1
+  decode step is ~1,700 small ATen calls besides its ~120 matrix-vector products; from Python each costs a few
+  microseconds of binding overhead, together a sixth of the step on a CPU.
+- ``linear``: at::linear, with a streaming kernel for fp32 inputs of at most 4 rows (decode steps of a few
+  sequences), which reads the weights at ~80 % of the memory bandwidth where BLAS may reach 30 %.
 
 ``load()`` returns the built module, or None when it is turned off (SLOTUNE_FUSED_LAYERS=0) or cannot be built
-(then the Python layer loop runs, after one warning)."""
+(then the Python layer loop and ATen's linear run, after one warning)."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import platform
 import sys
 import warnings
 from pathlib import Path
@@ -28,22 +34,35 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
+def cpu_tag() -> str:
+    """A short tag of this CPU's model and instruction-set features: -march=native code is only reused on a CPU
+    that has the same (a shared cache folder may serve several machine types)."""
+    described = platform.machine()
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+        for key in ("model name", "flags"):  # the first core's; the others repeat them
+            described += next((line for line in cpuinfo if line.startswith(key)), "")
+    except OSError:
+        described += platform.processor()
+    return hashlib.sha1(described.encode()).hexdigest()[:10]
+
+
 @functools.cache
 def load() -> Any | None:
     if not enabled():
         return None
     from torch.utils.cpp_extension import load as build_extension
 
-    build_dir = default_cache_dir() / "extensions" / f"fused_layers-torch{torch.__version__}"
+    build_dir = default_cache_dir() / "extensions" / f"fused_layers-torch{torch.__version__}-cpu{cpu_tag()}"
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
-        print(f"slotune: building the fused layer loop in {build_dir} (once; about half a minute)...",
+        print(f"slotune: building the engine's C++ kernels in {build_dir} (once; about half a minute)...",
               file=sys.stderr, flush=True)
     try:
         return build_extension(name="slotune_fused_layers", sources=[str(SOURCE)], build_directory=str(build_dir),
-                               extra_cflags=["-O2"], verbose=False)
+                               extra_cflags=["-O3", "-march=native"], verbose=False)
     except Exception as error:  # no compiler, no ninja, a broken toolchain: decoding still works, only slower
-        warnings.warn(f"slotune: the fused layer loop could not be built ({str(error).splitlines()[0]}); "
-                      f"steps run the Python layer loop instead (slower; {ENV_SWITCH}=0 skips the attempt)",
+        warnings.warn(f"slotune: the C++ kernels could not be built ({str(error).splitlines()[0]}); "
+                      f"steps run the Python layer loop and ATen's linear instead (slower; {ENV_SWITCH}=0 skips the attempt)",
                       RuntimeWarning, stacklevel=2)
         return None

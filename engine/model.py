@@ -63,9 +63,11 @@ class LlamaModel:
         self.scale = head_dim ** -0.5
         self.inv_freq = 1.0 / (config.rope_theta ** (
             torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-        # The layer loop in C++ (engine/fused_layers.py); fp32 only: in bf16 the norm below is not F.rms_norm, and
-        # the C++ loop mirrors the fp32 path.
-        self.fused = fused_layers.load() if dtype == torch.float32 else None
+        # The C++ kernels (engine/fused_layers.py); fp32 only: in bf16 the norm below is not F.rms_norm, and the
+        # C++ loop mirrors the fp32 path. `fused_loop` runs the layer loop in C++ (False: the Python loop below, with
+        # the same kernels, for comparisons).
+        self.kernels = fused_layers.load() if dtype == torch.float32 else None
+        self.fused_loop = self.kernels is not None
         self._fused_weights = [
             [layer.input_norm for layer in self.layers], [layer.qkv for layer in self.layers],
             [layer.qkv_bias for layer in self.layers if layer.qkv_bias is not None],
@@ -84,7 +86,8 @@ class LlamaModel:
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            # One fused op, bit-identical to the formula below in fp32 (checked by the equivalence tests).
+            if self.kernels is not None:  # one C++ loop instead of ~7 ATen calls
+                return self.kernels.rms_norm(x, weight, self.config.rms_norm_eps)
             return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
@@ -113,12 +116,12 @@ class LlamaModel:
         num_qk_heads = cfg.num_attention_heads + cfg.num_key_value_heads
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self._rope(positions)
-        if self.fused is not None:
+        if self.fused_loop and self.kernels is not None:
             groups, chunks = meta.decode_groups, meta.prefills
-            return self.fused.decoder_layers(  # the loop below, in C++, bit for bit
+            return self.kernels.decoder_layers(  # the loop below, in C++, bit for bit
                 hidden, cos, sin, meta.slot_mapping,
-                [g.start for g in groups], [g.end for g in groups], [g.context_len for g in groups],
-                [g.block_tables for g in groups], [g.mask for g in groups],
+                [g.start for g in groups], [g.end for g in groups], [g.block_tables for g in groups],
+                [g.context_lens for g in groups],
                 [c.start for c in chunks], [c.end for c in chunks], [c.context_len for c in chunks],
                 [c.block_table for c in chunks], [c.mask for c in chunks],
                 *self._fused_weights, kv_cache.key, kv_cache.value, cfg.num_attention_heads,
@@ -126,21 +129,28 @@ class LlamaModel:
         for index, layer in enumerate(self.layers):
             residual = hidden
             x = self._rms_norm(hidden, layer.input_norm)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = self._linear(x, layer.qkv, layer.qkv_bias)
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             # Rotate queries and keys in one pass: they share positions.
             qk = self._apply_rope(qk.view(num_tokens, num_qk_heads, cfg.head_dim), cos, sin)
             q, k = qk.split([cfg.num_attention_heads, cfg.num_key_value_heads], dim=1)
             v = v.view(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
             kv_cache.write(index, meta.slot_mapping, k, v)
-            attn = paged_attention(q, k, v, kv_cache.key[index], kv_cache.value[index], meta, self.scale)
-            hidden = residual + F.linear(attn.view(num_tokens, self.q_size), layer.o_proj)
+            attn = paged_attention(q, k, v, kv_cache.key[index], kv_cache.value[index], meta, self.scale,
+                                   self.kernels)
+            hidden = residual + self._linear(attn.view(num_tokens, self.q_size), layer.o_proj)
             residual = hidden
             x = self._rms_norm(hidden, layer.post_attention_norm)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = residual + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = residual + self._linear(F.silu(gate) * up, layer.down)
         return hidden
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._rms_norm(hidden, self.final_norm), self.lm_head).float()
+        return self._linear(self._rms_norm(hidden, self.final_norm), self.lm_head).float()
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """F.linear; a decode step of up to 4 sequences uses the C++ streaming kernel (engine/fused_layers.py)."""
+        if self.kernels is not None:
+            return self.kernels.linear(x, weight, bias)
+        return F.linear(x, weight, bias)

@@ -3,6 +3,7 @@ model over the paged KV cache and samples the next tokens."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -15,7 +16,8 @@ from engine.sampler import SamplingRow, sample
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 
 # A decode group is split when its longest context would exceed this multiple of its shortest one,
-# trading the padding of one big gather against the per-group overhead of several small ones.
+# trading the padding of one big gather against the per-group overhead of several small ones. With the C++
+# decode attention (engine/fused_layers.py) nothing is gathered or padded: all decodes form one group.
 DECODE_GROUP_SPREAD = 2.0
 
 
@@ -78,12 +80,14 @@ class ModelRunner:
         slots: list[int] = []
         meta = AttentionMetadata(slot_mapping=torch.empty(0))
 
+        in_place = self.model.kernels is not None
+        spread = math.inf if in_place else DECODE_GROUP_SPREAD
         group_start = 0
         while group_start < len(decodes):
             shortest = scheduled[decodes[group_start]].seq.num_computed_tokens + 1
             group_end = group_start
             while group_end < len(decodes) and \
-                    scheduled[decodes[group_end]].seq.num_computed_tokens + 1 <= DECODE_GROUP_SPREAD * shortest:
+                    scheduled[decodes[group_end]].seq.num_computed_tokens + 1 <= spread * shortest:
                 group_end += 1
             members = [scheduled[i].seq for i in decodes[group_start:group_end]]
             context_lens = [seq.num_computed_tokens + 1 for seq in members]
@@ -96,14 +100,14 @@ class ModelRunner:
                 ids.append(seq.token_id(pos))
                 positions.append(pos)
                 slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            lens = torch.tensor(context_lens, dtype=torch.long, device=self.device)
             mask = None
-            if min(context_lens) != longest:
-                lens = torch.tensor(context_lens, device=self.device)
+            if min(context_lens) != longest and not in_place:  # the mask is for torch's attention only
                 mask = (torch.arange(longest, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
             meta.decode_groups.append(DecodeGroup(
                 start=group_start, end=group_end,
                 block_tables=torch.tensor(tables, dtype=torch.long, device=self.device), context_len=longest,
-                mask=mask))
+                mask=mask, context_lens=lens))
             group_start = group_end
 
         for i in prefills:

@@ -1,5 +1,7 @@
-"""The fused layer loop (engine/fused_layers.cpp) computes exactly what the Python layer loop computes: same hidden
-states, same KV cache writes, bit for bit, so greedy outputs stay token-identical to transformers."""
+"""The C++ kernels (engine/fused_layers.cpp): the fused layer loop computes exactly what the Python layer loop
+computes (same hidden states, same KV cache writes, bit for bit), and the small-batch linear agrees with ATen's to
+float rounding, takes a bias, and leaves larger batches to ATen. That greedy outputs stay token-identical to
+transformers with both is tests/test_engine_equivalence.py's job."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, paged_attention
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +23,8 @@ def decode_only() -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     tables = torch.tensor([[0, 1, 2, 0], [3, 4, 5, 0], [6, 7, 8, 9]])
     slots = torch.tensor([int(tables[i, (c - 1) // 16]) * 16 + (c - 1) % 16 for i, c in enumerate(contexts)])
     mask = (torch.arange(57)[None, :] < torch.tensor(contexts)[:, None])[:, None, None, :]
-    meta = AttentionMetadata(slot_mapping=slots, decode_groups=[DecodeGroup(0, 3, tables, 57, mask)])
+    meta = AttentionMetadata(slot_mapping=slots, decode_groups=[DecodeGroup(0, 3, tables, 57, mask,
+                                                                                   torch.tensor(contexts))])
     return torch.tensor([1200, 7, 31000]), torch.tensor(contexts) - 1, meta
 
 
@@ -29,8 +32,8 @@ def mixed() -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Two decode groups (one sequence each), a first prefill chunk (nothing cached) and a later chunk of a
     sequence with 20 tokens cached."""
     ids, positions, slots = [5, 9], [29, 139], [10 * 16 + 13, 20 * 16 + 11]
-    groups = [DecodeGroup(0, 1, torch.tensor([[10, 11]]), 30, None),
-              DecodeGroup(1, 2, torch.tensor([[12 + i for i in range(8)] + [20]]), 140, None)]
+    groups = [DecodeGroup(0, 1, torch.tensor([[10, 11]]), 30, None, torch.tensor([30])),
+              DecodeGroup(1, 2, torch.tensor([[12 + i for i in range(8)] + [20]]), 140, None, torch.tensor([140]))]
     first = list(range(6))  # a 6-token prompt's first chunk, blocks 30
     ids += [100 + i for i in first]
     positions += first
@@ -49,7 +52,7 @@ def mixed() -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
 @pytest.mark.parametrize("batch", [decode_only, mixed])
 def test_fused_layer_loop_is_bit_identical_to_the_python_loop(llm: LLM, batch) -> None:  # type: ignore[no-untyped-def]
     model, kv = llm.engine.model, llm.engine.runner.kv_cache
-    assert model.fused is not None, "the fused layer loop was not built (it needs g++ and ninja)"
+    assert model.kernels is not None and model.fused_loop, "the C++ kernels were not built (they need g++ and ninja)"
     generator = torch.Generator().manual_seed(0)
     kv.key.copy_(torch.randn(kv.key.shape, generator=generator))  # cached context
     kv.value.copy_(torch.randn(kv.value.shape, generator=generator))
@@ -60,11 +63,78 @@ def test_fused_layer_loop_is_bit_identical_to_the_python_loop(llm: LLM, batch) -
     fused_key, fused_value = kv.key.clone(), kv.value.clone()
     kv.key.copy_(key0)
     kv.value.copy_(value0)
-    fused, model.fused = model.fused, None
+    model.fused_loop = False
     try:
         python_hidden = model.forward(ids, positions, meta, kv)
     finally:
-        model.fused = fused
+        model.fused_loop = True
     assert torch.equal(fused_hidden, python_hidden)
     assert torch.equal(fused_key, kv.key) and torch.equal(fused_value, kv.value)
     assert not torch.equal(key0, kv.key)  # the step did write the new tokens' keys
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("features", [576, 100])  # 100: not a multiple of the 16-float vectors
+def test_small_batch_linear_matches_aten(llm: LLM, rows: int, features: int) -> None:
+    kernels = llm.engine.model.kernels
+    assert kernels is not None
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, features, generator=generator)
+    weight = torch.randn(1003, features, generator=generator)  # 1003 outputs: a partial block of rows at the end
+    bias = torch.randn(1003, generator=generator)
+    torch.testing.assert_close(kernels.linear(x, weight, None), torch.nn.functional.linear(x, weight),
+                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernels.linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias),
+                               rtol=1e-5, atol=1e-4)
+    transposed = x.t().contiguous().t()  # a non-contiguous input is read correctly
+    torch.testing.assert_close(kernels.linear(transposed, weight, None), torch.nn.functional.linear(x, weight),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_linear_of_larger_batches_is_atens(llm: LLM) -> None:
+    kernels = llm.engine.model.kernels
+    assert kernels is not None
+    x, weight = torch.randn(5, 576), torch.randn(300, 576)
+    assert torch.equal(kernels.linear(x, weight, None), torch.nn.functional.linear(x, weight))
+    assert kernels.linear(torch.randn(0, 576), weight, None).shape == (0, 300)
+    with pytest.raises(RuntimeError, match="input has 500 features, weight expects 576"):
+        kernels.linear(torch.randn(1, 500), weight, None)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_decode_attention_reads_the_paged_cache_like_torch_attention(llm: LLM, block_size: int) -> None:
+    """Against gather + scaled_dot_product_attention (engine/attention.py without the kernels): sequences of
+    different context lengths on shuffled blocks, 9 query heads over 3 key/value heads."""
+    kernels = llm.engine.model.kernels
+    assert kernels is not None
+    generator = torch.Generator().manual_seed(block_size)
+    contexts = [1, 7, 33, 130]
+    num_blocks = sum(-(-c // block_size) for c in contexts) + 3
+    key_cache = torch.randn(num_blocks, block_size, 3, 64, generator=generator)
+    value_cache = torch.randn(num_blocks, block_size, 3, 64, generator=generator)
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    width = -(-max(contexts) // block_size)
+    tables = []
+    for context in contexts:
+        used = [order.pop() for _ in range(-(-context // block_size))]
+        tables.append(used + [0] * (width - len(used)))
+    table_tensor, lens = torch.tensor(tables), torch.tensor(contexts)
+    query = torch.randn(len(contexts), 9, 64, generator=generator)
+    mask = (torch.arange(max(contexts))[None, :] < lens[:, None])[:, None, None, :]
+    group = DecodeGroup(0, len(contexts), table_tensor, max(contexts), mask, lens)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), decode_groups=[group])
+    expected = paged_attention(query, query[:, :3], query[:, :3], key_cache, value_cache, meta, 0.125, None)
+    got = kernels.decode_attention(query, key_cache, value_cache, table_tensor, lens, 0.125)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="outside the block table"):
+        kernels.decode_attention(query, key_cache, value_cache, table_tensor, lens + width * block_size, 0.125)
+
+
+def test_rms_norm_matches_torch(llm: LLM) -> None:
+    kernels = llm.engine.model.kernels
+    assert kernels is not None
+    x, weight = torch.randn(70, 100) * 3, torch.randn(100)  # 100: not a multiple of the 16-float vectors
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-5), torch.nn.functional.rms_norm(x, (100,), weight, 1e-5),
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="weight has 99 elements, rows have 100"):
+        kernels.rms_norm(x, weight[:99], 1e-5)
