@@ -5,7 +5,7 @@ into the cache folder, for this CPU (-march=native; the folder is named after th
   same ops in the same order as LlamaModel.forward and paged_attention, so the results are bit-identical. A batch-1
   decode step is ~1,700 small ATen calls besides its ~120 matrix-vector products; from Python each costs a few
   microseconds of binding overhead, together a sixth of the step on a CPU.
-- ``linear``: at::linear, with a streaming kernel for fp32 inputs of at most 4 rows (decode steps of a few
+- ``linear``: at::linear, with a streaming kernel for fp32 inputs of at most 6 rows (decode steps of a few
   sequences), which reads the weights at ~80 % of the memory bandwidth where BLAS may reach 30 %.
 
 ``load()`` returns the built module, or None when it is turned off (SLOTUNE_FUSED_LAYERS=0) or cannot be built

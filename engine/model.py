@@ -150,7 +150,7 @@ class LlamaModel:
         return self._linear(self._rms_norm(hidden, self.final_norm), self.lm_head).float()
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """F.linear; a decode step of up to 4 sequences uses the C++ streaming kernel (engine/fused_layers.py)."""
+        """F.linear; a decode step of up to 6 sequences uses the C++ streaming kernel (engine/fused_layers.py)."""
         if self.kernels is not None:
             return self.kernels.linear(x, weight, bias)
         return F.linear(x, weight, bias)

@@ -73,7 +73,7 @@ def test_fused_layer_loop_is_bit_identical_to_the_python_loop(llm: LLM, batch) -
     assert not torch.equal(key0, kv.key)  # the step did write the new tokens' keys
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6])
 @pytest.mark.parametrize("features", [576, 100])  # 100: not a multiple of the 16-float vectors
 def test_small_batch_linear_matches_aten(llm: LLM, rows: int, features: int) -> None:
     kernels = llm.engine.model.kernels
@@ -94,7 +94,7 @@ def test_small_batch_linear_matches_aten(llm: LLM, rows: int, features: int) -> 
 def test_linear_of_larger_batches_is_atens(llm: LLM) -> None:
     kernels = llm.engine.model.kernels
     assert kernels is not None
-    x, weight = torch.randn(5, 576), torch.randn(300, 576)
+    x, weight = torch.randn(7, 576), torch.randn(300, 576)
     assert torch.equal(kernels.linear(x, weight, None), torch.nn.functional.linear(x, weight))
     assert kernels.linear(torch.randn(0, 576), weight, None).shape == (0, 300)
     with pytest.raises(RuntimeError, match="input has 500 features, weight expects 576"):
