@@ -18,8 +18,9 @@ using at::Tensor;
 // reaches only 30-40 % of the memory bandwidth there on some CPUs (MKL on AMD EPYC: 16 GB/s of ~50, worse for 2-4
 // rows); a plain streaming loop that reads each weight row once for all rows of x reaches ~80 % for one row.
 // Measured on AMD EPYC, the 120 matrices of a SmolLM2-135M forward, this kernel's time / MKL's: 1 row 0.43, 2 0.38,
-// 4 0.43, 6 0.56; the same loop over 6-row blocks of a weight tile held in L1 (tried): 7 rows 0.83, 8 1.03, 16 1.24,
-// 64 1.45. From ~8 rows the work is compute-bound and BLAS's register blocking wins: more rows go to at::linear.
+// 4 0.43, 6 0.56. Tried for more rows: this loop over 6-row blocks of a weight tile held in L1 (7 rows 0.83, 8 1.03,
+// 16 1.24, 64 1.45) and register-blocked tiles of 2-6 input rows x 4-8 weight rows (7 rows 0.74-0.89, 8 0.88-1.18,
+// 16 1.01-1.27, 64 1.25-1.40): from ~8 rows the work is compute-bound and MKL's sgemm is as fast or faster.
 constexpr int64_t kMaxGemvRows = 6;
 
 typedef float Vec16 __attribute__((vector_size(64)));  // GCC lowers it to the widest registers -march allows
