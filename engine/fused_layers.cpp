@@ -78,6 +78,7 @@ static void gemv(const float* x, const float* w, const float* bias, float* y, in
 Tensor small_batch_linear(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {
   if (input.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat || input.dim() != 2 ||
       input.size(0) > kMaxGemvRows || input.size(0) == 0 || !weight.is_contiguous() || !input.is_cpu() ||
+      !weight.is_cpu() ||
       (bias.has_value() && (!bias->is_contiguous() || bias->scalar_type() != at::kFloat)))
     return at::linear(input, weight, bias);
   const Tensor x = input.contiguous();
@@ -103,6 +104,7 @@ Tensor small_batch_linear(const Tensor& input, const Tensor& weight, const std::
 // sum of squares is accumulated in a different order than ATen's, so the last bit may differ.
 Tensor rms_norm(const Tensor& input, const Tensor& weight, double eps) {
   TORCH_CHECK(input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm: fp32 only");
+  TORCH_CHECK(input.is_cpu() && weight.is_cpu(), "rms_norm: CPU tensors only");
   const Tensor x = input.contiguous();
   const Tensor w = weight.contiguous();
   const int64_t width = x.size(-1), rows = width == 0 ? 0 : x.numel() / width;
@@ -168,6 +170,7 @@ Tensor decode_attention(const Tensor& query, const Tensor& key_cache, const Tens
   TORCH_CHECK(query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
                   value_cache.scalar_type() == at::kFloat, "decode_attention: fp32 only");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "decode_attention: contiguous caches only");
+  TORCH_CHECK(query.is_cpu() && key_cache.is_cpu() && value_cache.is_cpu(), "decode_attention: CPU tensors only");
   const Tensor q = query.contiguous();
   const Tensor tables = block_tables.to(at::kLong).contiguous();
   const Tensor lens = context_lens.to(at::kLong).contiguous();

@@ -63,10 +63,10 @@ class LlamaModel:
         self.scale = head_dim ** -0.5
         self.inv_freq = 1.0 / (config.rope_theta ** (
             torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-        # The C++ kernels (engine/fused_layers.py); fp32 only: in bf16 the norm below is not F.rms_norm, and the
-        # C++ loop mirrors the fp32 path. `fused_loop` runs the layer loop in C++ (False: the Python loop below, with
-        # the same kernels, for comparisons).
-        self.kernels = fused_layers.load() if dtype == torch.float32 else None
+        # The C++ kernels (engine/fused_layers.py): fp32 on the CPU only (in bf16 the norm below is not F.rms_norm;
+        # on a GPU torch's own kernels run). `fused_loop` runs the layer loop in C++ (False: the Python loop below,
+        # with the same kernels, for comparisons).
+        self.kernels = fused_layers.load() if dtype == torch.float32 and device.type == "cpu" else None
         self.fused_loop = self.kernels is not None
         self._fused_weights = [
             [layer.input_norm for layer in self.layers], [layer.qkv for layer in self.layers],
