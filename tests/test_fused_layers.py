@@ -138,3 +138,22 @@ def test_rms_norm_matches_torch(llm: LLM) -> None:
                                rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="weight has 99 elements, rows have 100"):
         kernels.rms_norm(x, weight[:99], 1e-5)
+
+
+def test_without_the_kernels_greedy_tokens_are_the_same(llm: LLM) -> None:
+    """The fallback where the kernels cannot be built (no compiler, SLOTUNE_FUSED_LAYERS=0): torch's linear, norm
+    and gathered attention in the Python loop generate the same greedy tokens, for decodes of mixed context
+    lengths (several decode groups with masks) and prefill chunks beside them."""
+    from engine import SamplingParams
+
+    prompts = [[100 + (7 * i + j) % 900 for j in range(n)] for i, n in enumerate([5, 40, 90, 17, 60])]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with_kernels = [out.token_ids for out in llm.generate(prompts, params)]
+    model = llm.engine.model
+    kernels = model.kernels
+    model.kernels, model.fused_loop = None, False
+    try:
+        without = [out.token_ids for out in llm.generate(prompts, params)]
+    finally:
+        model.kernels, model.fused_loop = kernels, True
+    assert without == with_kernels
