@@ -48,8 +48,8 @@ static inline float sum16(Vec16 v) {
 // what the hardware prefetchers follow best; interleaving several rows measured 10-15 % slower), into U
 // independent accumulators per row of x to hide the FMA latency.
 template <int M, int U>
-static inline void gemv_column(const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N,
-                               int64_t n) {
+static inline void gemv_column(const float* x, const float* w, const float* bias, const float* residual, float* y,
+                               int64_t K, int64_t N, int64_t n) {
   const float* row = w + n * K;
   Vec16 acc[M][U];
   for (int m = 0; m < M; ++m)
@@ -70,40 +70,115 @@ static inline void gemv_column(const float* x, const float* w, const float* bias
     for (int u = 1; u < U; ++u) total += acc[m][u];
     float sum = sum16(total);
     for (int64_t j = k; j < K; ++j) sum += row[j] * x[m * K + j];
-    y[m * N + n] = sum + (bias != nullptr ? bias[n] : 0.f);
+    if (bias != nullptr) sum += bias[n];
+    y[m * N + n] = residual != nullptr ? residual[m * N + n] + sum : sum;
   }
 }
 
 template <int M, int U>
-static void gemv(const float* x, const float* w, const float* bias, float* y, int64_t K, int64_t N) {
+static void gemv(const float* x, const float* w, const float* bias, const float* residual, float* y, int64_t K,
+                 int64_t N) {
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) gemv_column<M, U>(x, w, bias, y, K, N, n);
+    for (int64_t n = begin; n < end; ++n) gemv_column<M, U>(x, w, bias, residual, y, K, N, n);
   });
 }
 
-// at::linear, with the streaming kernel for fp32 inputs of at most kMaxGemvRows rows.
-Tensor small_batch_linear(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {
-  if (input.scalar_type() != at::kFloat || weight.scalar_type() != at::kFloat || input.dim() != 2 ||
-      input.size(0) > kMaxGemvRows || input.size(0) == 0 || !weight.is_contiguous() || !input.is_cpu() ||
-      !weight.is_cpu() ||
-      (bias.has_value() && (!bias->is_contiguous() || bias->scalar_type() != at::kFloat)))
-    return at::linear(input, weight, bias);
+// residual + at::linear(input, weight, bias) (residual optional), with the streaming kernel for fp32 inputs of at
+// most kMaxGemvRows rows; the residual is added in the same pass.
+Tensor small_batch_linear(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias,
+                          const std::optional<Tensor>& residual) {
+  const bool streaming =
+      input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && input.dim() == 2 &&
+      input.size(0) <= kMaxGemvRows && input.size(0) > 0 && weight.is_contiguous() && input.is_cpu() &&
+      weight.is_cpu() && (!bias.has_value() || (bias->is_contiguous() && bias->scalar_type() == at::kFloat)) &&
+      (!residual.has_value() || (residual->is_contiguous() && residual->scalar_type() == at::kFloat &&
+                                 residual->dim() == 2 && residual->size(0) == input.size(0) &&
+                                 residual->size(1) == weight.size(0)));
+  if (!streaming) {
+    Tensor out = at::linear(input, weight, bias);
+    return residual.has_value() ? *residual + out : out;
+  }
   const Tensor x = input.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "linear: input has ", K, " features, weight expects ", weight.size(1));
   Tensor y = at::empty({M, N}, x.options());
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const float* r = residual.has_value() ? residual->data_ptr<float>() : nullptr;
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   switch (M) {
-    case 1: gemv<1, 4>(xp, wp, b, yp, K, N); break;
-    case 2: gemv<2, 4>(xp, wp, b, yp, K, N); break;
-    case 3: gemv<3, 2>(xp, wp, b, yp, K, N); break;
-    case 4: gemv<4, 2>(xp, wp, b, yp, K, N); break;
-    case 5: gemv<5, 1>(xp, wp, b, yp, K, N); break;
-    default: gemv<6, 1>(xp, wp, b, yp, K, N); break;
+    case 1: gemv<1, 4>(xp, wp, b, r, yp, K, N); break;
+    case 2: gemv<2, 4>(xp, wp, b, r, yp, K, N); break;
+    case 3: gemv<3, 2>(xp, wp, b, r, yp, K, N); break;
+    case 4: gemv<4, 2>(xp, wp, b, r, yp, K, N); break;
+    case 5: gemv<5, 1>(xp, wp, b, r, yp, K, N); break;
+    default: gemv<6, 1>(xp, wp, b, r, yp, K, N); break;
   }
   return y;
+}
+
+// ---- rotary embedding of queries and keys, and the KV cache write, in one pass ----------------------------------
+// qkv [tokens, (heads + 2 kv_heads) * dim] (the fused projection); cos / signed sin [tokens, 1, dim] (engine/model.py's
+// _rope: x * cos + roll(x, dim / 2) * signed_sin); the rotated keys and the values go to their slots in the layer's
+// caches [blocks, block_size, kv_heads, dim]. Returns the rotated queries [tokens, heads, dim] and the rotated keys and
+// values [tokens, kv_heads, dim] (prefill chunks with nothing cached attend to them directly).
+std::vector<Tensor> rotary_cache_write(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
+                                       const Tensor& slot_mapping, const Tensor& layer_keys,
+                                       const Tensor& layer_values, int64_t num_heads, int64_t num_kv_heads,
+                                       int64_t head_dim) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && layer_keys.scalar_type() == at::kFloat, "rotary_cache_write: fp32 only");
+  TORCH_CHECK(qkv.is_cpu() && layer_keys.is_cpu() && layer_values.is_cpu(), "rotary_cache_write: CPU tensors only");
+  TORCH_CHECK(layer_keys.is_contiguous() && layer_values.is_contiguous(), "rotary_cache_write: contiguous caches only");
+  const Tensor in = qkv.contiguous(), c = cos.contiguous(), sn = sin.contiguous();
+  const Tensor slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t tokens = in.size(0), width = in.size(1), half = head_dim / 2;
+  const int64_t num_slots = layer_keys.size(0) * layer_keys.size(1);
+  TORCH_CHECK(width == (num_heads + 2 * num_kv_heads) * head_dim, "rotary_cache_write: qkv width ", width);
+  Tensor q = at::empty({tokens, num_heads, head_dim}, in.options());
+  Tensor k = at::empty({tokens, num_kv_heads, head_dim}, in.options());
+  Tensor v = at::empty({tokens, num_kv_heads, head_dim}, in.options());
+  const float *ip = in.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = sn.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float *key_cache = layer_keys.data_ptr<float>(), *value_cache = layer_values.data_ptr<float>();
+  const int64_t kv_width = num_kv_heads * head_dim;
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "rotary_cache_write: slot ", slot[t], " outside the cache");
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = ip + t * width;
+      const float *ct = cp + t * head_dim, *st = sp + t * head_dim;
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+        const float* x = row + h * head_dim;
+        float* out = h < num_heads ? qp + (t * num_heads + h) * head_dim : kp + (t * num_kv_heads + h - num_heads) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          const float a = x[d] * ct[d], b = x[d < half ? d + half : d - half] * st[d];
+          out[d] = a + b;
+        }
+      }
+      std::memcpy(vp + t * kv_width, row + (num_heads + num_kv_heads) * head_dim, kv_width * sizeof(float));
+      std::memcpy(key_cache + slot[t] * kv_width, kp + t * kv_width, kv_width * sizeof(float));
+      std::memcpy(value_cache + slot[t] * kv_width, vp + t * kv_width, kv_width * sizeof(float));
+    }
+  });
+  return {q, k, v};
+}
+
+// ---- SiLU(gate) * up, gate_up [rows, 2 I] -> [rows, I] ----------------------------------------------------------
+Tensor silu_and_mul(const Tensor& gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.is_cpu(), "silu_and_mul: fp32 CPU tensors only");
+  const Tensor in = gate_up.contiguous();
+  const int64_t rows = in.size(0), inner = in.size(1) / 2;
+  Tensor out = at::empty({rows, inner}, in.options());
+  const float* ip = in.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float *gate = ip + r * 2 * inner, *up = gate + inner;
+      for (int64_t i = 0; i < inner; ++i) op[r * inner + i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+    }
+  });
+  return out;
 }
 
 // ---- RMS norm: x * rsqrt(mean(x^2) + eps) * weight, one pass per row ------------------------------------------
@@ -276,28 +351,19 @@ Tensor decoder_layers(Tensor hidden, const Tensor& cos, const Tensor& sin, const
                 std::move(prefill_context), std::move(prefill_tables), std::move(prefill_masks)};
   const int64_t tokens = hidden.size(0);
   const int64_t q_size = num_heads * head_dim;
-  const int64_t kv_size = num_kv_heads * head_dim;
-  const int64_t flat_slots = key_cache.size(1) * key_cache.size(2);
   for (size_t i = 0; i < qkv.size(); ++i) {
-    Tensor residual = hidden;
     Tensor x = rms_norm(hidden, input_norm[i], eps);
     std::optional<Tensor> bias;
     if (!qkv_bias.empty()) bias = qkv_bias[i];
-    auto parts = small_batch_linear(x, qkv[i], bias).split_with_sizes({q_size + kv_size, kv_size}, -1);
-    Tensor qk = parts[0].view({tokens, num_heads + num_kv_heads, head_dim});
-    qk = qk * cos + qk.roll({head_dim / 2}, {-1}) * sin;
-    auto qk_parts = qk.split_with_sizes({num_heads, num_kv_heads}, 1);
-    Tensor v = parts[1].view({tokens, num_kv_heads, head_dim});
     Tensor layer_keys = key_cache.select(0, static_cast<int64_t>(i));
     Tensor layer_values = value_cache.select(0, static_cast<int64_t>(i));
-    layer_keys.view({flat_slots, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, qk_parts[1]);
-    layer_values.view({flat_slots, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, v);
-    Tensor attn = paged_attention(qk_parts[0], qk_parts[1], v, layer_keys, layer_values, b, scale);
-    hidden = residual + small_batch_linear(attn.view({tokens, q_size}), o_proj[i], std::nullopt);
-    residual = hidden;
+    auto qkv_rotated = rotary_cache_write(small_batch_linear(x, qkv[i], bias, std::nullopt), cos, sin, slot_mapping,
+                                          layer_keys, layer_values, num_heads, num_kv_heads, head_dim);
+    Tensor attn = paged_attention(qkv_rotated[0], qkv_rotated[1], qkv_rotated[2], layer_keys, layer_values, b, scale);
+    hidden = small_batch_linear(attn.view({tokens, q_size}), o_proj[i], std::nullopt, hidden);
     x = rms_norm(hidden, post_norm[i], eps);
-    auto gu = small_batch_linear(x, gate_up[i], std::nullopt).chunk(2, -1);
-    hidden = residual + small_batch_linear(at::silu(gu[0]) * gu[1], down[i], std::nullopt);
+    hidden = small_batch_linear(silu_and_mul(small_batch_linear(x, gate_up[i], std::nullopt, std::nullopt)), down[i],
+                                std::nullopt, hidden);
   }
   return hidden;
 }
@@ -306,5 +372,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "the decoder's layer loop for one step (engine/model.py, in C++)");
   m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2) + eps) * weight over the last dimension (fp32)");
   m.def("decode_attention", &decode_attention, "decode attention straight from the paged KV cache (fp32)");
-  m.def("linear", &small_batch_linear, "at::linear, with a streaming kernel for fp32 inputs of at most 6 rows");
+  m.def("linear", &small_batch_linear, "residual + at::linear(input, weight, bias), streaming for <= 6 fp32 rows",
+        py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("residual") = py::none());
+  m.def("rotary_cache_write", &rotary_cache_write, "rotary queries/keys, and the new keys/values into the cache");
+  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up of the fused gate/up projection");
 }

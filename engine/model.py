@@ -126,31 +126,42 @@ class LlamaModel:
                 [c.block_table for c in chunks], [c.mask for c in chunks],
                 *self._fused_weights, kv_cache.key, kv_cache.value, cfg.num_attention_heads,
                 cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, self.scale)
+        kernels = self.kernels
         for index, layer in enumerate(self.layers):
-            residual = hidden
             x = self._rms_norm(hidden, layer.input_norm)
             qkv = self._linear(x, layer.qkv, layer.qkv_bias)
-            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-            # Rotate queries and keys in one pass: they share positions.
-            qk = self._apply_rope(qk.view(num_tokens, num_qk_heads, cfg.head_dim), cos, sin)
-            q, k = qk.split([cfg.num_attention_heads, cfg.num_key_value_heads], dim=1)
-            v = v.view(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
-            kv_cache.write(index, meta.slot_mapping, k, v)
-            attn = paged_attention(q, k, v, kv_cache.key[index], kv_cache.value[index], meta, self.scale,
-                                   self.kernels)
-            hidden = residual + self._linear(attn.view(num_tokens, self.q_size), layer.o_proj)
-            residual = hidden
+            if kernels is not None:  # rotary and the cache write in one C++ pass
+                q, k, v = kernels.rotary_cache_write(qkv, cos, sin, meta.slot_mapping, kv_cache.key[index],
+                                                     kv_cache.value[index], cfg.num_attention_heads,
+                                                     cfg.num_key_value_heads, cfg.head_dim)
+            else:
+                qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+                # Rotate queries and keys in one pass: they share positions.
+                qk = self._apply_rope(qk.view(num_tokens, num_qk_heads, cfg.head_dim), cos, sin)
+                q, k = qk.split([cfg.num_attention_heads, cfg.num_key_value_heads], dim=1)
+                v = v.view(num_tokens, cfg.num_key_value_heads, cfg.head_dim)
+                kv_cache.write(index, meta.slot_mapping, k, v)
+            attn = paged_attention(q, k, v, kv_cache.key[index], kv_cache.value[index], meta, self.scale, kernels)
+            hidden = self._linear(attn.view(num_tokens, self.q_size), layer.o_proj, residual=hidden)
             x = self._rms_norm(hidden, layer.post_attention_norm)
-            gate, up = self._linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = residual + self._linear(F.silu(gate) * up, layer.down)
+            gate_up = self._linear(x, layer.gate_up)
+            if kernels is not None:
+                activated = kernels.silu_and_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                activated = F.silu(gate) * up
+            hidden = self._linear(activated, layer.down, residual=hidden)
         return hidden
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._linear(self._rms_norm(hidden, self.final_norm), self.lm_head).float()
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """F.linear; a decode step of up to 6 sequences uses the C++ streaming kernel (engine/fused_layers.py)."""
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + F.linear(x, weight, bias); a decode step of up to 6 sequences uses the C++ streaming kernel
+        (engine/fused_layers.py), which adds the residual in the same pass."""
         if self.kernels is not None:
-            return self.kernels.linear(x, weight, bias)
-        return F.linear(x, weight, bias)
+            return self.kernels.linear(x, weight, bias, residual)
+        out = F.linear(x, weight, bias)
+        return out if residual is None else residual + out

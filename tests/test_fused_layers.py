@@ -157,3 +157,39 @@ def test_without_the_kernels_greedy_tokens_are_the_same(llm: LLM) -> None:
     finally:
         model.kernels, model.fused_loop = kernels, True
     assert without == with_kernels
+
+
+def test_rotary_cache_write_and_silu_match_torch(llm: LLM) -> None:
+    model = llm.engine.model
+    kernels = model.kernels
+    assert kernels is not None
+    generator = torch.Generator().manual_seed(3)
+    tokens, heads, kv_heads, dim = 5, 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator)
+    positions = torch.tensor([0, 3, 17, 200, 1999])
+    cos, sin = model._rope(positions)
+    keys, values = torch.zeros(4, 16, kv_heads, dim), torch.zeros(4, 16, kv_heads, dim)
+    slots = torch.tensor([0, 17, 33, 50, 63])
+    q, k, v = kernels.rotary_cache_write(qkv, cos, sin, slots, keys, values, heads, kv_heads, dim)
+    qk = model._apply_rope(qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim), cos, sin)
+    torch.testing.assert_close(q, qk[:, :heads], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k, qk[:, heads:], rtol=1e-6, atol=1e-6)
+    assert torch.equal(v, qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim))
+    assert torch.equal(keys.view(64, kv_heads, dim)[slots], k) and torch.equal(values.view(64, kv_heads, dim)[slots], v)
+    assert keys.view(64, kv_heads, dim)[1].abs().sum() == 0  # nothing written elsewhere
+    with pytest.raises(RuntimeError, match="slot 64 outside the cache"):
+        kernels.rotary_cache_write(qkv, cos, sin, slots + 1, keys, values, heads, kv_heads, dim)
+
+    gate_up = torch.randn(3, 2 * 1536, generator=generator) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_linear_adds_the_residual(llm: LLM) -> None:
+    kernels = llm.engine.model.kernels
+    assert kernels is not None
+    weight = torch.randn(40, 64)
+    for rows in (2, 9):  # the streaming kernel and ATen's
+        x, residual = torch.randn(rows, 64), torch.randn(rows, 40)
+        torch.testing.assert_close(kernels.linear(x, weight, None, residual),
+                                   residual + torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
