@@ -1,7 +1,8 @@
-// The decoder's layer loop for one step (decode groups and prefill chunks), in C++: the same ops in the same
-// order as engine/model.py (LlamaModel.forward) and engine/attention.py (paged_attention), so the results are
-// bit-identical, without ~1,700 Python -> ATen calls per step; and the small-batch matrix-vector product both
-// loops use. Built once by engine/fused_layers.py (-O3 -march=native).
+// The engine's CPU kernels (fp32): the decoder's layer loop for one step (decode groups and prefill chunks) in C++,
+// the same ops in the same order as engine/model.py (LlamaModel.forward) and engine/attention.py (paged_attention),
+// so the two loops are bit-identical, without ~1,700 Python -> ATen calls per step; and the kernels both loops use:
+// small-batch linear, decode attention over the paged cache, RMS norm, rotary + KV write, SiLU*up. Built once by
+// engine/fused_layers.py (-O3 -march=native).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 

@@ -2,14 +2,21 @@
 into the cache folder, for this CPU (-march=native; the folder is named after the CPU's model and features):
 
 - ``decoder_layers``: the decoder's layer loop of one step (decode groups and prefill chunks) as one C++ call to the
-  same ops in the same order as LlamaModel.forward and paged_attention, so the results are bit-identical. A batch-1
-  decode step is ~1,700 small ATen calls besides its ~120 matrix-vector products; from Python each costs a few
-  microseconds of binding overhead, together a sixth of the step on a CPU.
-- ``linear``: at::linear, with a streaming kernel for fp32 inputs of at most 6 rows (decode steps of a few
-  sequences), which reads the weights at ~80 % of the memory bandwidth where BLAS may reach 30 %.
+  same ops in the same order as LlamaModel.forward and paged_attention. A batch-1 decode step is ~1,700 small
+  ATen calls besides its ~120 matrix-vector products; from Python each costs a few microseconds of binding
+  overhead, together a sixth of the step on a CPU.
+- ``linear``: residual + at::linear, with a streaming kernel for fp32 inputs of at most 6 rows (decode steps of a
+  few sequences), which reads the weights at 2-3x the bandwidth of MKL's sgemv on AMD EPYC.
+- ``decode_attention``: one query per sequence against its keys and values read in place through the block table.
+- ``rms_norm``, ``rotary_cache_write`` (rotary queries and keys, new keys and values into the cache) and
+  ``silu_and_mul``: one loop each instead of several ATen calls.
+
+Both layer loops (C++ and Python) use these kernels, so they stay bit-identical to each other; against torch's ops
+they differ in the last bits (summation order, exp), which tests/test_fused_layers.py bounds and the greedy
+equivalence tests against transformers check end to end.
 
 ``load()`` returns the built module, or None when it is turned off (SLOTUNE_FUSED_LAYERS=0) or cannot be built
-(then the Python layer loop and ATen's linear run, after one warning)."""
+(then the Python layer loop and torch's ops run, after one warning)."""
 
 from __future__ import annotations
 
