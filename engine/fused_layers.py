@@ -70,6 +70,7 @@ def load() -> Any | None:
                                extra_cflags=["-O3", "-march=native"], verbose=False)
     except Exception as error:  # no compiler, no ninja, a broken toolchain: decoding still works, only slower
         warnings.warn(f"slotune: the C++ kernels could not be built ({str(error).splitlines()[0]}); "
-                      f"steps run the Python layer loop and ATen's linear instead (slower; {ENV_SWITCH}=0 skips the attempt)",
+                      f"steps run the Python layer loop and torch's ops instead (slower; {ENV_SWITCH}=0 skips the "
+                      "attempt)",
                       RuntimeWarning, stacklevel=2)
         return None
