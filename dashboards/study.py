@@ -119,6 +119,7 @@ def trial_row(trial: optuna.trial.FrozenTrial) -> TrialRow:
 def load_study(storage_url: str, name: str | None = None) -> StudyData:
     """The study `name` (default: the most recently created one) with its trials and importances."""
     from dashboards.analysis import param_importances
+    from tuner.study import SURPLUS_ATTR
 
     storage = open_storage(storage_url)
     names = study_names(storage)
@@ -129,6 +130,6 @@ def load_study(storage_url: str, name: str | None = None) -> StudyData:
     elif name not in names:
         raise StudyUnavailable(f"no study named {name!r} in {storage_url}; studies: {', '.join(names)}")
     study = optuna.load_study(study_name=name, storage=storage)
-    rows = [trial_row(t) for t in study.get_trials(deepcopy=False)]
+    rows = [trial_row(t) for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(SURPLUS_ATTR)]
     return StudyData(name=name, direction=study.directions[0].name.lower(), user_attrs=dict(study.user_attrs),
                      rows=rows, importances=param_importances(study))

@@ -4,6 +4,7 @@ resume and sharing, capacity bisection; plus pruning and step statistics on hand
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -11,18 +12,21 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import optuna
 import pytest
 from optuna.trial import TrialState
 
+import tuner.study
+from dashboards.study import load_study
 from loadtest.summary import SLO
 from policies import SAMPLERS, PruningSpec, load_policy
 from tuner.objective import evaluate_capacity
 from tuner.pruning import PruneWatcher, gaps_above, itl_buckets
-from tuner.study import (HEARTBEAT_STALE_S, ROLE_DEFAULT, Heartbeat, StorageError, best_trial, closest_trial,
-                         counted_trials, default_trial, enqueue_default, open_storage, open_study, recover_orphans,
-                         run_trials)
+from tuner.study import (HEARTBEAT_STALE_S, ROLE_DEFAULT, SURPLUS_ATTR, Heartbeat, StorageError, best_trial,
+                         closest_trial, counted_trials, default_trial, enqueue_default, is_surplus, open_storage,
+                         open_study, recover_orphans, run_trials)
 from tuner.trial_runner import TrialOutcome, feasibility, step_stats
 
 DEFAULT_KNOBS = {"max_num_seqs": 64, "max_num_batched_tokens": 512, "chunk_size": None, "block_size": 16}
@@ -164,15 +168,37 @@ def test_two_processes_share_a_study_without_duplicates(tmp_path: Path) -> None:
         study = open_study(open_storage(path), "shared", policy)  # each with its own storage object
         ran.append(run_trials(study, CheapRunner(), policy, 10, tmp_path))
 
-    threads = [threading.Thread(target=worker) for _ in range(2)]
+    threads = [threading.Thread(target=worker) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     trials = first.get_trials()
-    assert sum(ran) == 10 and counted_trials(first) == 10 and len(trials) == 10
-    assert len({t.number for t in trials}) == 10
-    assert sum(t.user_attrs.get("role") == ROLE_DEFAULT for t in trials) == 1
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert sum(ran) == 10 and counted_trials(first) == 10 and len(complete) == 10
+    # a worker that lost the race for the last slot gave its trial back at once (at most one per worker)
+    assert all(t.user_attrs.get(SURPLUS_ATTR) for t in trials if t.state != TrialState.COMPLETE)
+    assert len(trials) <= 12
+    assert sum(t.user_attrs.get("role") == ROLE_DEFAULT for t in complete) == 1
+
+
+def test_a_trial_asked_past_the_budget_by_a_racing_process_is_given_back(tmp_path: Path) -> None:
+    policy = load_policy().replace(trials=3)
+    storage = f"journal:{tmp_path}/race.journal"
+    study = open_study(open_storage(storage), "race", policy)
+    assert run_trials(study, CheapRunner(), policy, 2, tmp_path) == 2
+    other = open_study(open_storage(storage), "race", policy)
+    racer = other.ask()  # another process counted 2 < 3 and took the last slot
+    racer.set_user_attr("pid", os.getpid())
+    real_count = tuner.study.counted_trials
+    # this process counted before the racer's ask landed: it sees room, asks, and must give its trial back
+    with mock.patch.object(tuner.study, "counted_trials", side_effect=[2, 3]):
+        assert run_trials(study, CheapRunner(), policy, 3, tmp_path) == 0
+    assert is_surplus(study, racer.number, 3) is False
+    given_back = study.get_trials()[-1]
+    assert given_back.number > racer.number and given_back.state == TrialState.FAIL
+    assert given_back.user_attrs[SURPLUS_ATTR] and real_count(study) == 3
+    assert [r.number for r in load_study(storage, "race").rows] == [0, 1, racer.number]  # hidden on the dashboard
 
 
 def test_capacity_bisects_the_rate(tmp_path: Path) -> None:

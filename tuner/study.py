@@ -32,6 +32,8 @@ from tuner.trial_runner import TrialOutcome, TrialRunner, check_stop
 
 DEFAULT_STORAGE = "sqlite:///tune-study.db"
 ROLE_DEFAULT = "default"
+# Marks a trial asked past the budget by a racing process and failed at once (the dashboard hides it).
+SURPLUS_ATTR = "surplus"
 # A running trial stamps "heartbeat" (wall-clock seconds) this often; one silent for HEARTBEAT_STALE_S belongs to
 # a tune process that died on another machine (on this machine a dead pid says so at once).
 HEARTBEAT_INTERVAL_S = 15.0
@@ -207,6 +209,14 @@ def counted_trials(study: optuna.Study) -> int:
                                                         TrialState.RUNNING)))
 
 
+def is_surplus(study: optuna.Study, number: int, n_trials: int) -> bool:
+    """Whether trial ``number`` is over the budget: processes sharing a study may each count n-1 trials and ask one;
+    the first ``n_trials`` counted trials by number keep their slot, so exactly one of the racers runs."""
+    earlier = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
+                                                                    TrialState.RUNNING)) if t.number < number]
+    return len(earlier) >= n_trials
+
+
 def enqueue_default(study: optuna.Study) -> bool:
     """Enqueue the engine's default config as the study's first trial (again if its run was lost). It asks for no
     params, so samplers (the grid's included) ignore it; its knobs are the runner's base config."""
@@ -274,6 +284,11 @@ def run_trials(study: optuna.Study, runner: TrialRunner, policy: Policy, n_trial
         if deadline is not None and time.monotonic() > deadline:
             break
         trial = study.ask()
+        if is_surplus(study, trial.number, n_trials):
+            # another process took the last slot between our count and our ask: give this one back
+            trial.set_user_attr(SURPLUS_ATTR, True)
+            study.tell(trial, state=TrialState.FAIL)
+            break
         trial.set_user_attr("pid", os.getpid())
         trial.set_user_attr("host", socket.gethostname())
         role = trial.user_attrs.get("role", "search")
