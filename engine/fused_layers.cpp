@@ -7,22 +7,136 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <mutex>
 #include <optional>
+#include <thread>
 #include <vector>
 
 using at::Tensor;
 
-// ---- small-batch linear: y = x W^T (+ b) for x of at most kMaxGemvRows rows ----------------------------------
+// ---- threads: a work pool whose caller never waits for a thread that has not started -----------------------------
+// ATen's parallel_for (OpenMP fork-join) ends each region at a barrier that every thread must reach. When another
+// process holds one of the cores (the load generator beside the engine, a test run), each of a step's ~150 regions
+// waits for the descheduled thread's next time slice: measured 2-15x slower than one thread alone. Here the caller
+// claims chunks alongside the workers and waits only for chunks a worker has claimed; a worker that wakes late
+// finds nothing left. So a step runs at two threads' speed when both cores are free and at one thread's when not.
+// The loop bodies given to it must not throw (they validate their input before the loop).
+class WorkPool {
+ public:
+  static WorkPool& instance() {
+    static WorkPool* pool = new WorkPool();  // never destroyed: its threads sleep until the process exits
+    return *pool;
+  }
+
+  template <typename F>
+  void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& body) {
+    const int64_t n = end - begin;
+    if (n <= 0) return;
+    const int64_t threads = at::get_num_threads();
+    std::unique_lock<std::mutex> one_region_at_a_time(caller_, std::try_to_lock);
+    if (threads <= 1 || n <= grain || !one_region_at_a_time.owns_lock()) {
+      body(begin, end);
+      return;
+    }
+    grow(threads - 1);
+    // about 8 chunks per thread: a late or slow thread's share is picked up by the others
+    const int64_t chunk = std::max({grain, (n + 2 * threads - 1) / (2 * threads), (n + kMaxChunks - 1) / kMaxChunks});
+    const uint64_t chunks = static_cast<uint64_t>((n + chunk - 1) / chunk);
+    const std::function<void(int64_t, int64_t)> task = [&](int64_t b, int64_t e) { body(b, e); };
+    task_ = &task;
+    begin_ = begin;
+    end_ = end;
+    chunk_ = chunk;
+    done_.store(0, std::memory_order_relaxed);
+    const uint64_t epoch = (state_.load(std::memory_order_relaxed) >> 32) + 1;
+    state_.store(epoch << 32 | chunks << 16, std::memory_order_seq_cst);  // publishes the fields above
+    if (sleeping_.load(std::memory_order_seq_cst) > 0) state_.notify_all();  // seq_cst pairs with work()'s check
+    while (run_chunk(static_cast<uint32_t>(epoch))) {
+    }
+    while (done_.load(std::memory_order_acquire) < chunks) spin_pause();  // chunks a worker claimed
+  }
+
+ private:
+  // state_: the region's number (high 32 bits), its chunk count (bits 16-31) and the next unclaimed chunk (0-15)
+  static constexpr int64_t kMaxChunks = 1 << 15;
+
+  static void spin_pause() {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+
+  // Claims the next chunk of region `epoch` and runs it; false when the region has none left (or is over).
+  bool run_chunk(uint32_t epoch) {
+    uint64_t s = state_.load(std::memory_order_acquire);
+    do {
+      if ((s >> 32) != epoch || (s & 0xffff) >= ((s >> 16) & 0xffff)) return false;
+    } while (!state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel, std::memory_order_acquire));
+    // a claimed chunk keeps the caller inside parallel_for, so the region's fields stay valid until done_ counts it
+    const int64_t b = begin_ + static_cast<int64_t>(s & 0xffff) * chunk_;
+    (*task_)(b, std::min(end_, b + chunk_));
+    done_.fetch_add(1, std::memory_order_release);
+    return true;
+  }
+
+  void grow(int64_t workers) {
+    while (static_cast<int64_t>(threads_) < workers) {
+      std::thread(&WorkPool::work, this).detach();
+      ++threads_;
+    }
+  }
+
+  void work() {
+    uint32_t seen = static_cast<uint32_t>(state_.load(std::memory_order_acquire) >> 32);
+    while (true) {
+      uint64_t s = state_.load(std::memory_order_acquire);
+      // spin for a while (a step's regions follow each other within microseconds), then sleep until notified
+      for (int i = 0; static_cast<uint32_t>(s >> 32) == seen; ++i) {
+        if (i < kSpins) {
+          spin_pause();
+        } else {
+          sleeping_.fetch_add(1, std::memory_order_seq_cst);
+          if (static_cast<uint32_t>(state_.load(std::memory_order_seq_cst) >> 32) == seen) state_.wait(s);
+          sleeping_.fetch_sub(1, std::memory_order_seq_cst);
+          i = 0;
+        }
+        s = state_.load(std::memory_order_acquire);
+      }
+      seen = static_cast<uint32_t>(s >> 32);
+      while (run_chunk(seen)) {
+      }
+    }
+  }
+
+  static constexpr int kSpins = 1 << 14;  // ~100-300 us of pause instructions
+  std::atomic<uint64_t> state_{0};
+  std::atomic<uint64_t> done_{0};
+  std::atomic<int> sleeping_{0};
+  const std::function<void(int64_t, int64_t)>* task_ = nullptr;
+  int64_t begin_ = 0, end_ = 0, chunk_ = 1;
+  size_t threads_ = 0;  // only the caller holding caller_ starts threads
+  std::mutex caller_;
+};
+
+template <typename F>
+static void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& body) {
+  WorkPool::instance().parallel_for(begin, end, grain, body);
+}
+
+// ---- small-batch linear: y = x W^T (+ b) (+ residual) without BLAS for x of up to tiled_rows_limit rows --------
 // A decode step of a few sequences is a chain of matrix-vector products bound by reading the weights. BLAS sgemm
 // reaches only 30-40 % of the memory bandwidth there on some CPUs (MKL on AMD EPYC: 16 GB/s of ~50, worse for 2-4
-// rows); a plain streaming loop that reads each weight row once for all rows of x reaches ~80 % for one row.
-// Measured on AMD EPYC, the 120 matrices of a SmolLM2-135M forward, this kernel's time / MKL's: 1 row 0.43, 2 0.38,
-// 4 0.43, 6 0.56. Tried for more rows: this loop over 6-row blocks of a weight tile held in L1 (7 rows 0.83, 8 1.03,
-// 16 1.24, 64 1.45) and register-blocked tiles of 2-6 input rows x 4-8 weight rows (7 rows 0.74-0.89, 8 0.88-1.18,
-// 16 1.01-1.27, 64 1.25-1.40): from ~8 rows the work is compute-bound and MKL's sgemm is as fast or faster.
+// rows); a plain streaming loop that reads each weight row once for all rows of x reaches the bandwidth torch.sum
+// reads at. Measured on AMD EPYC (2 threads), the 120 matrices of a SmolLM2-135M forward, this kernel's time /
+// MKL's: 1 row 0.37, 2 0.25, 4 0.29, 6 0.45. From 7 rows, tiles of 3 input rows x 8 weight rows (the weight tile
+// stays in L1 while every row of x passes it): 7 rows 0.42, 8 0.45, 16 0.53, 64 0.66, 256 0.73. Where MKL is the
+// faster one (other CPUs, long prefill chunks), engine/fused_layers.py measures it once and lowers the limit.
 constexpr int64_t kMaxGemvRows = 6;
+static int64_t tiled_rows_limit = 1 << 30;  // set once per process by set_tiled_rows_limit (a property of the CPU)
 
 typedef float Vec16 __attribute__((vector_size(64)));  // GCC lowers it to the widest registers -march allows
 
@@ -89,23 +203,77 @@ static inline void gemv_column(const float* x, const float* w, const float* bias
 template <int M, int U>
 static void gemv(const float* x, const float* w, const float* bias, const float* residual, float* y, int64_t K,
                  int64_t N) {
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) gemv_column<M, U>(x, w, bias, residual, y, K, N, n);
   });
 }
 
-// residual + at::linear(input, weight, bias) (residual optional), with the streaming kernel for fp32 inputs of at
-// most kMaxGemvRows rows; the residual is added in the same pass.
+// Rows m0..m0+MR of y, columns n0..n0+NR: MR x NR dot products over K, the NR weight rows read once per MR rows of x.
+template <int MR, int NR>
+static inline void linear_tile(const float* x, const float* w, const float* bias, const float* residual, float* y,
+                               int64_t K, int64_t N, int64_t m0, int64_t n0) {
+  Vec16 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = Vec16{};
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    Vec16 wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = load16(w + (n0 + r) * K + k);
+    for (int m = 0; m < MR; ++m) {
+      const Vec16 xv = load16(x + (m0 + m) * K + k);
+      for (int r = 0; r < NR; ++r) acc[m][r] += xv * wv[r];
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) {
+      float sum = sum16(acc[m][r]);
+      for (int64_t j = k; j < K; ++j) sum += x[(m0 + m) * K + j] * w[(n0 + r) * K + j];
+      const int64_t n = n0 + r, at = (m0 + m) * N + n;
+      if (bias != nullptr) sum += bias[n];
+      y[at] = residual != nullptr ? residual[at] + sum : sum;
+    }
+}
+
+// Columns n0..n0+NR for all M rows of x, 3 rows at a time.
+template <int NR>
+static void linear_columns(const float* x, const float* w, const float* bias, const float* residual, float* y,
+                           int64_t M, int64_t K, int64_t N, int64_t n0) {
+  int64_t m0 = 0;
+  for (; m0 + 3 <= M; m0 += 3) linear_tile<3, NR>(x, w, bias, residual, y, K, N, m0, n0);
+  if (M - m0 == 2) linear_tile<2, NR>(x, w, bias, residual, y, K, N, m0, n0);
+  if (M - m0 == 1) linear_tile<1, NR>(x, w, bias, residual, y, K, N, m0, n0);
+}
+
+static void tiled_linear(const float* x, const float* w, const float* bias, const float* residual, float* y,
+                         int64_t M, int64_t K, int64_t N) {
+  constexpr int64_t kTile = 8;
+  const int64_t tiles = N / kTile;
+  parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) linear_columns<kTile>(x, w, bias, residual, y, M, K, N, t * kTile);
+  });
+  for (int64_t n = tiles * kTile; n < N; ++n) linear_columns<1>(x, w, bias, residual, y, M, K, N, n);
+}
+
+void set_tiled_rows_limit(int64_t rows) {
+  TORCH_CHECK(rows >= 0, "tiled rows limit must be >= 0, got ", rows);
+  tiled_rows_limit = rows;
+}
+
+int64_t get_tiled_rows_limit() { return tiled_rows_limit; }
+
+// residual + at::linear(input, weight, bias) (residual optional): the streaming kernel for fp32 inputs of at most
+// kMaxGemvRows rows, tiles up to tiled_rows_limit rows, BLAS above; the residual is added in the same pass.
 Tensor small_batch_linear(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias,
                           const std::optional<Tensor>& residual) {
-  const bool streaming =
+  const bool without_blas =
       input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && input.dim() == 2 &&
-      input.size(0) <= kMaxGemvRows && input.size(0) > 0 && weight.is_contiguous() && input.is_cpu() &&
+      input.size(0) <= std::max(kMaxGemvRows, tiled_rows_limit) && input.size(0) > 0 && weight.is_contiguous() &&
+      input.is_cpu() &&
       weight.is_cpu() && (!bias.has_value() || (bias->is_contiguous() && bias->scalar_type() == at::kFloat)) &&
       (!residual.has_value() || (residual->is_contiguous() && residual->scalar_type() == at::kFloat &&
                                  residual->dim() == 2 && residual->size(0) == input.size(0) &&
                                  residual->size(1) == weight.size(0)));
-  if (!streaming) {
+  if (!without_blas) {
     Tensor out = at::linear(input, weight, bias);
     return residual.has_value() ? *residual + out : out;
   }
@@ -123,7 +291,8 @@ Tensor small_batch_linear(const Tensor& input, const Tensor& weight, const std::
     case 3: gemv<3, 2>(xp, wp, b, r, yp, K, N); break;
     case 4: gemv<4, 2>(xp, wp, b, r, yp, K, N); break;
     case 5: gemv<5, 1>(xp, wp, b, r, yp, K, N); break;
-    default: gemv<6, 1>(xp, wp, b, r, yp, K, N); break;
+    case 6: gemv<6, 1>(xp, wp, b, r, yp, K, N); break;
+    default: tiled_linear(xp, wp, b, r, yp, M, K, N); break;
   }
   return y;
 }
@@ -155,7 +324,7 @@ std::vector<Tensor> rotary_cache_write(const Tensor& qkv, const Tensor& cos, con
   const int64_t kv_width = num_kv_heads * head_dim;
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "rotary_cache_write: slot ", slot[t], " outside the cache");
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* row = ip + t * width;
       const float *ct = cp + t * head_dim, *st = sp + t * head_dim;
@@ -183,7 +352,7 @@ Tensor silu_and_mul(const Tensor& gate_up) {
   Tensor out = at::empty({rows, inner}, in.options());
   const float* ip = in.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float *gate = ip + r * 2 * inner, *up = gate + inner;
       for (int64_t i = 0; i < inner; ++i) op[r * inner + i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
@@ -205,7 +374,7 @@ Tensor rms_norm(const Tensor& input, const Tensor& weight, double eps) {
   Tensor out = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * width;
       const float squares = dot(row, row, width);
@@ -269,7 +438,7 @@ Tensor decode_attention(const Tensor& query, const Tensor& key_cache, const Tens
   const float *qp = q.data_ptr<float>(), *kp = key_cache.data_ptr<float>(), *vp = value_cache.data_ptr<float>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, seqs * heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, seqs * heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(longest);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / heads, h = task % heads;
@@ -370,8 +539,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "the decoder's layer loop for one step (engine/model.py, in C++)");
   m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2) + eps) * weight over the last dimension (fp32)");
   m.def("decode_attention", &decode_attention, "decode attention straight from the paged KV cache (fp32)");
-  m.def("linear", &small_batch_linear, "residual + at::linear(input, weight, bias), streaming for <= 6 fp32 rows",
+  m.def("linear", &small_batch_linear, "residual + at::linear(input, weight, bias), without BLAS up to the limit",
         py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("residual") = py::none());
+  m.def("set_tiled_rows_limit", &set_tiled_rows_limit, "inputs of more rows than this (and > 6) go to at::linear");
+  m.def("get_tiled_rows_limit", &get_tiled_rows_limit, "the limit set_tiled_rows_limit set");
   m.def("rotary_cache_write", &rotary_cache_write, "rotary queries/keys, and the new keys/values into the cache");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up of the fused gate/up projection");
 }

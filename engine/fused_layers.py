@@ -6,7 +6,10 @@ into the cache folder, for this CPU (-march=native; the folder is named after th
   ATen calls besides its ~120 matrix-vector products; from Python each costs a few microseconds of binding
   overhead, together a sixth of the step on a CPU.
 - ``linear``: residual + at::linear, with a streaming kernel for fp32 inputs of at most 6 rows (decode steps of a
-  few sequences), which reads the weights at 2-3x the bandwidth of MKL's sgemv on AMD EPYC.
+  few sequences), which reads the weights at 2-3x the bandwidth of MKL's sgemv on AMD EPYC, and register tiles for
+  more rows up to a limit measured once per machine against at::linear (``tiled_rows_limit``; on AMD EPYC the
+  tiles beat MKL's sgemm up to 256+ rows, so steps with a prefill chunk gain too).
+- The kernels' loops run on torch's OpenMP threads (built with -fopenmp, linked to the libgomp torch loaded).
 - ``decode_attention``: one query per sequence against its keys and values read in place through the block table.
 - ``rms_norm``, ``rotary_cache_write`` (rotary queries and keys, new keys and values into the cache) and
   ``silu_and_mul``: one loop each instead of several ATen calls.
@@ -22,9 +25,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import platform
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -34,6 +39,7 @@ import torch
 from engine.model_loader import default_cache_dir
 
 ENV_SWITCH = "SLOTUNE_FUSED_LAYERS"  # "0": never build or use it
+TILED_ROWS_ENV = "SLOTUNE_TILED_ROWS"  # overrides the measured limit of the tiled linear (6: tiles off)
 SOURCE = Path(__file__).with_name("fused_layers.cpp")
 
 
@@ -66,11 +72,66 @@ def load() -> Any | None:
         print(f"slotune: building the engine's C++ kernels in {build_dir} (once; about half a minute)...",
               file=sys.stderr, flush=True)
     try:
-        return build_extension(name="slotune_fused_layers", sources=[str(SOURCE)], build_directory=str(build_dir),
-                               extra_cflags=["-O3", "-march=native"], verbose=False)
+        # without -fopenmp ATen's parallel_for compiles to a serial loop: every kernel would run on one thread
+        module = build_extension(name="slotune_fused_layers", sources=[str(SOURCE)], build_directory=str(build_dir),
+                                 extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-lgomp"],
+                                 verbose=False)
     except Exception as error:  # no compiler, no ninja, a broken toolchain: decoding still works, only slower
         warnings.warn(f"slotune: the C++ kernels could not be built ({str(error).splitlines()[0]}); "
                       f"steps run the Python layer loop and torch's ops instead (slower; {ENV_SWITCH}=0 skips the "
                       "attempt)",
                       RuntimeWarning, stacklevel=2)
         return None
+    module.set_tiled_rows_limit(tiled_rows_limit(module, build_dir))
+    return module
+
+
+def tiled_rows_limit(module: Any, build_dir: Path) -> int:
+    """Up to how many input rows ``linear`` uses its own tiles rather than at::linear (BLAS): $SLOTUNE_TILED_ROWS,
+    else the limit measured on this machine, once, and kept in the build folder (tiled_rows_limit.json)."""
+    if os.environ.get(TILED_ROWS_ENV):
+        return int(os.environ[TILED_ROWS_ENV])
+    path = build_dir / "tiled_rows_limit.json"
+    try:
+        return int(json.loads(path.read_text())["tiled_rows_limit"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    print("slotune: measuring the C++ linear against torch's (once; a few seconds)...", file=sys.stderr, flush=True)
+    limit, timings = measure_tiled_rows_limit(module)
+    path.write_text(json.dumps({"tiled_rows_limit": limit, "seconds_tiled_vs_blas": timings}, indent=1))
+    return limit
+
+
+def measure_tiled_rows_limit(module: Any, rows: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512),
+                             weight_bytes: int = 64 << 20) -> tuple[int, dict[str, list[float]]]:
+    """The largest row count (of ``rows``, and all smaller ones) at which the tiles are faster than at::linear, over
+    weights of a decoder's shapes larger than the last-level cache (6 = tiles never)."""
+    hidden, intermediate = 576, 1536
+    layers = max(1, weight_bytes // (3 * hidden * intermediate * 4))
+    generator = torch.Generator().manual_seed(0)
+    weights = [w for _ in range(layers) for w in (torch.randn(2 * intermediate, hidden, generator=generator),
+                                                  torch.randn(hidden, intermediate, generator=generator))]
+
+    def best_time(linear: Any, m: int) -> float:
+        inputs = {w.shape[1]: torch.randn(m, w.shape[1], generator=generator) for w in weights}
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for w in weights:
+                linear(inputs[w.shape[1]], w)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    limit, timings, previous = 6, {}, module.get_tiled_rows_limit()
+    module.set_tiled_rows_limit(max(rows))
+    try:
+        for m in rows:
+            tiled = best_time(lambda x, w: module.linear(x, w, None, None), m)
+            blas = best_time(torch.nn.functional.linear, m)
+            timings[str(m)] = [tiled, blas]
+            if tiled > blas:
+                break
+            limit = m
+    finally:
+        module.set_tiled_rows_limit(previous)
+    return limit, timings

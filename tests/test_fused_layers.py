@@ -5,10 +5,13 @@ transformers with both is tests/test_engine_equivalence.py's job."""
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
+
 import pytest
 import torch
 
-from engine import LLM
+from engine import LLM, fused_layers
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, paged_attention
 
 
@@ -91,14 +94,67 @@ def test_small_batch_linear_matches_aten(llm: LLM, rows: int, features: int) -> 
                                rtol=1e-5, atol=1e-4)
 
 
-def test_linear_of_larger_batches_is_atens(llm: LLM) -> None:
+@pytest.mark.parametrize("rows", [7, 8, 9, 31, 64])
+@pytest.mark.parametrize("features", [576, 100])
+def test_tiled_linear_matches_aten(llm: LLM, rows: int, features: int) -> None:
+    """7+ rows: tiles of 3 input rows x 8 weight rows, with partial tiles of both at the edges."""
+    kernels = llm.engine.model.kernels
+    assert kernels is not None and kernels.get_tiled_rows_limit() >= 64  # this machine measured tiles faster
+    generator = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, features, generator=generator), torch.randn(1003, features, generator=generator)
+    bias, residual = torch.randn(1003, generator=generator), torch.randn(rows, 1003, generator=generator)
+    expected = torch.nn.functional.linear(x, weight, bias)
+    torch.testing.assert_close(kernels.linear(x, weight, bias), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernels.linear(x, weight, bias, residual), residual + expected, rtol=1e-5, atol=1e-4)
+
+
+def test_linear_above_the_tiled_limit_is_atens(llm: LLM) -> None:
     kernels = llm.engine.model.kernels
     assert kernels is not None
+    limit = kernels.get_tiled_rows_limit()
     x, weight = torch.randn(7, 576), torch.randn(300, 576)
-    assert torch.equal(kernels.linear(x, weight, None), torch.nn.functional.linear(x, weight))
+    kernels.set_tiled_rows_limit(6)
+    try:
+        assert torch.equal(kernels.linear(x, weight, None), torch.nn.functional.linear(x, weight))
+    finally:
+        kernels.set_tiled_rows_limit(limit)
     assert kernels.linear(torch.randn(0, 576), weight, None).shape == (0, 300)
     with pytest.raises(RuntimeError, match="input has 500 features, weight expects 576"):
         kernels.linear(torch.randn(1, 500), weight, None)
+    with pytest.raises(RuntimeError, match="must be >= 0"):
+        kernels.set_tiled_rows_limit(-1)
+
+
+def test_the_tiled_limit_is_measured_once_per_machine_and_can_be_overridden(
+        llm: LLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernels = llm.engine.model.kernels
+    assert kernels is not None
+    before = kernels.get_tiled_rows_limit()
+    limit, timings = fused_layers.measure_tiled_rows_limit(kernels, rows=(8, 16), weight_bytes=4 << 20)
+    assert limit in (6, 8, 16) and set(timings) <= {"8", "16"} and kernels.get_tiled_rows_limit() == before
+    (tmp_path / "tiled_rows_limit.json").write_text('{"tiled_rows_limit": 24}')
+    assert fused_layers.tiled_rows_limit(kernels, tmp_path) == 24  # kept from the first measurement
+    monkeypatch.setenv(fused_layers.TILED_ROWS_ENV, "6")
+    assert fused_layers.tiled_rows_limit(kernels, tmp_path) == 6
+
+
+def test_kernels_called_from_several_threads_at_once_stay_correct(llm: LLM) -> None:
+    """One caller at a time uses the work pool; a concurrent caller runs its loop alone, with the same result."""
+    kernels = llm.engine.model.kernels
+    assert kernels is not None
+    x, weight = torch.randn(16, 576), torch.randn(2000, 576)
+    expected = kernels.linear(x, weight, None)
+    results: list[bool] = []
+
+    def call() -> None:
+        results.extend(torch.equal(kernels.linear(x, weight, None), expected) for _ in range(50))
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 150 and all(results)
 
 
 @pytest.mark.parametrize("block_size", [1, 16])
