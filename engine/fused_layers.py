@@ -9,7 +9,8 @@ into the cache folder, for this CPU (-march=native; the folder is named after th
   few sequences), which reads the weights at 2-3x the bandwidth of MKL's sgemv on AMD EPYC, and register tiles for
   more rows up to a limit measured once per machine against at::linear (``tiled_rows_limit``; on AMD EPYC the
   tiles beat MKL's sgemm up to 256+ rows, so steps with a prefill chunk gain too).
-- The kernels' loops run on torch's OpenMP threads (built with -fopenmp, linked to the libgomp torch loaded).
+- The kernels' loops run on torch's thread count through the work pool in fused_layers.cpp (not ATen's
+  parallel_for: without -fopenmp it compiles to a serial loop, and OpenMP's barrier stalls beside a busy process).
 - ``decode_attention``: one query per sequence against its keys and values read in place through the block table.
 - ``rms_norm``, ``rotary_cache_write`` (rotary queries and keys, new keys and values into the cache) and
   ``silu_and_mul``: one loop each instead of several ATen calls.
@@ -72,10 +73,8 @@ def load() -> Any | None:
         print(f"slotune: building the engine's C++ kernels in {build_dir} (once; about half a minute)...",
               file=sys.stderr, flush=True)
     try:
-        # without -fopenmp ATen's parallel_for compiles to a serial loop: every kernel would run on one thread
         module = build_extension(name="slotune_fused_layers", sources=[str(SOURCE)], build_directory=str(build_dir),
-                                 extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-lgomp"],
-                                 verbose=False)
+                                 extra_cflags=["-O3", "-march=native"], verbose=False)
     except Exception as error:  # no compiler, no ninja, a broken toolchain: decoding still works, only slower
         warnings.warn(f"slotune: the C++ kernels could not be built ({str(error).splitlines()[0]}); "
                       f"steps run the Python layer loop and torch's ops instead (slower; {ENV_SWITCH}=0 skips the "
