@@ -43,7 +43,8 @@ class WorkPool {
       return;
     }
     grow(threads - 1);
-    // about 8 chunks per thread: a late or slow thread's share is picked up by the others
+    // two chunks per thread: a late thread's share is picked up by the others (more, smaller chunks, or guided
+    // ones shrinking towards the end, measured no faster: each claim is a contended atomic)
     const int64_t chunk = std::max({grain, (n + 2 * threads - 1) / (2 * threads), (n + kMaxChunks - 1) / kMaxChunks});
     const uint64_t chunks = static_cast<uint64_t>((n + chunk - 1) / chunk);
     const std::function<void(int64_t, int64_t)> task = [&](int64_t b, int64_t e) { body(b, e); };
@@ -393,20 +394,29 @@ static void decode_attention_task(const float* q, const float* key_cache, const 
                                   const int64_t* table, int64_t context, int64_t block_size, int64_t kv_heads,
                                   int64_t kv_head, int64_t dim, float scale, float* scores, float* out) {
   const int64_t token_stride = kv_heads * dim;  // floats between consecutive slots of a block
-  auto slot = [&](int64_t t) { return (table[t / block_size] * block_size + t % block_size) * token_stride +
-                                      kv_head * dim; };
+  const int64_t block_stride = block_size * token_stride;
+  // block by block: a division per token (twice per token and head) cost more than the dot products
   float max_score = -INFINITY;
-  for (int64_t t = 0; t < context; ++t) {
-    scores[t] = dot(q, key_cache + slot(t), dim) * scale;
-    max_score = std::max(max_score, scores[t]);
+  for (int64_t start = 0, b = 0; start < context; start += block_size, ++b) {
+    const float* keys = key_cache + table[b] * block_stride + kv_head * dim;
+    const int64_t n = std::min(block_size, context - start);
+    for (int64_t i = 0; i < n; ++i) {
+      const float score = dot(q, keys + i * token_stride, dim) * scale;
+      scores[start + i] = score;
+      max_score = std::max(max_score, score);
+    }
   }
   float total = 0.f;
   for (int64_t t = 0; t < context; ++t) total += (scores[t] = std::exp(scores[t] - max_score));
   std::fill(out, out + dim, 0.f);
-  for (int64_t t = 0; t < context; ++t) {
-    const float* v = value_cache + slot(t);
-    const float weight = scores[t];
-    for (int64_t d = 0; d < dim; ++d) out[d] += weight * v[d];
+  for (int64_t start = 0, b = 0; start < context; start += block_size, ++b) {
+    const float* values = value_cache + table[b] * block_stride + kv_head * dim;
+    const int64_t n = std::min(block_size, context - start);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* v = values + i * token_stride;
+      const float weight = scores[start + i];
+      for (int64_t d = 0; d < dim; ++d) out[d] += weight * v[d];
+    }
   }
   const float inverse = 1.f / total;
   for (int64_t d = 0; d < dim; ++d) out[d] *= inverse;
