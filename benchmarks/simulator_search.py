@@ -1,4 +1,4 @@
-"""Search-method comparison on the simulator: TPE with constraints, GP, random, vLLM-auto_tune-style grid.
+"""Search-method comparison on the simulator: TPE (structured / random start), GP, random, auto_tune-style grid.
 
     python benchmarks/simulator_search.py --profile tuner/default_profile.json --rate 1.5 --slo-p99-tbt 800ms \
         --slo-p99-ttft 10s --duration 40 --trials 60 --seeds 8 --out /tmp/search
@@ -38,6 +38,8 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=60)
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--no-default-trial", action="store_true",
+                   help="leave out the engine's default config, which tune measures as every study's first trial")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     out = Path(args.out)
@@ -50,7 +52,7 @@ def main() -> int:
                             duration=args.duration, warmup=3.0, slo=slo)
     start = time.perf_counter()
     comparison = compare(policy, runner, trials=args.trials, seeds=args.seeds,
-                         methods=tuple(args.methods.split(",")),
+                         methods=tuple(args.methods.split(",")), default_trial=not args.no_default_trial,
                          progress=lambda s: print(f"[{time.perf_counter() - start:.0f}s] {s}", file=sys.stderr))
     summary = comparison.summary()
     summary.update(rate=args.rate, slo=slo.as_dict(), profile=args.profile, workload=policy.workload.as_dict(),

@@ -21,6 +21,9 @@ from loadtest.durations import parse_duration
 
 SAMPLERS = ("tpe", "gp", "random", "grid", "nsga2")
 OBJECTIVES = ("goodput", "capacity")
+# How TPE's first trials are chosen: "structured" (tuner.structured_start: a bisection over max_num_seqs, then steps
+# of the other scheduling knobs around the feasibility boundary) or "random" (Optuna's random start-up).
+STARTS = ("structured", "random")
 
 # The engine knobs a policy may search or fix, with their value type (names as in DESIGN.md / the engine's
 # config; the tuner talks to the engine only over HTTP, so it keeps its own table of what may be searched).
@@ -164,6 +167,7 @@ class Policy:
     fixed: dict[str, Any] = field(default_factory=dict)
     constraints: tuple[Constraint, ...] = ()
     sampler: str = "tpe"
+    start: str = "structured"
     objective: str = "goodput"
     trials: int = 10
     trial_duration: float = 20.0
@@ -194,7 +198,7 @@ class Policy:
     def to_dict(self) -> dict[str, Any]:
         return {"slo": self.slo.as_dict(), "search_space": {k.name: k.to_dict() for k in self.search_space},
                 "fixed": dict(self.fixed), "constraints": [str(c) for c in self.constraints],
-                "sampler": self.sampler, "objective": self.objective, "trials": self.trials,
+                "sampler": self.sampler, "start": self.start, "objective": self.objective, "trials": self.trials,
                 "trial_duration": self.trial_duration, "warmup": self.warmup, "seed": self.seed,
                 "workload": self.workload.as_dict(), "rate": self.rate if self.rate is not None else "auto",
                 "pruning": dataclasses.asdict(self.pruning), "source": self.source}
@@ -333,8 +337,9 @@ def _rate(value: Any, path: str) -> float | None:
     return _number(value, path, float, low=0, low_open=True)
 
 
-TOP_FIELDS = {"slo", "search_space", "fixed", "constraints", "sampler", "objective", "trials", "trial_duration",
-              "warmup", "seed", "workload", "rate", "pruning", "guardrails", "triggers", "name", "description"}
+TOP_FIELDS = {"slo", "search_space", "fixed", "constraints", "sampler", "start", "objective", "trials",
+              "trial_duration", "warmup", "seed", "workload", "rate", "pruning", "guardrails", "triggers", "name",
+              "description"}
 
 
 def parse_policy(data: Any, source: str = "<dict>") -> Policy:
@@ -366,6 +371,9 @@ def parse_policy(data: Any, source: str = "<dict>") -> Policy:
     sampler = data.get("sampler", "tpe")
     if sampler not in SAMPLERS:
         raise PolicyError("sampler", f"must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    start = data.get("start", "structured")
+    if start not in STARTS:
+        raise PolicyError("start", f"must be one of {', '.join(STARTS)}, got {start!r}")
     objective = data.get("objective", "goodput")
     if objective not in OBJECTIVES:
         raise PolicyError("objective", f"must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
@@ -396,7 +404,8 @@ def parse_policy(data: Any, source: str = "<dict>") -> Policy:
                                 high=1.0),
         min_elapsed=_number(pr.get("min_elapsed", 0.3), "pruning.min_elapsed", float, low=0.0, high=1.0))
     policy = Policy(
-        slo=targets, search_space=space, fixed=fixed, constraints=constraints, sampler=sampler, objective=objective,
+        slo=targets, search_space=space, fixed=fixed, constraints=constraints, sampler=sampler, start=start,
+        objective=objective,
         trials=_number(data.get("trials", 10), "trials", int, low=1),
         trial_duration=_duration(data.get("trial_duration", "20s"), "trial_duration", required=True),  # type: ignore
         warmup=_warmup(data.get("warmup", "3s")),

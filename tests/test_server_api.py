@@ -284,7 +284,8 @@ def test_the_engine_and_the_front_end_do_not_stall_each_other(server: InProcessS
 
     async def run() -> tuple[float, float]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
-            body = {"prompt": PROMPT, "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+            # long enough to still be decoding after the 0.3 s below plus the 1.5 s block (~12 ms a step here)
+            body = {"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "temperature": 0}
             job = asyncio.ensure_future(stream_completion(http, body))
             while not server.engine.has_unfinished_requests():
                 await asyncio.sleep(0.01)

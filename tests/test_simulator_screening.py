@@ -53,7 +53,7 @@ def test_search_comparison_curves_and_the_grid(runner: SimTrialRunner) -> None:
     grid = grid_configs(POLICY)
     assert [(g["max_num_seqs"], g["max_num_batched_tokens"]) for g in grid[:5]] == \
         [(1, 16), (1, 64), (1, 128), (2, 16), (2, 64)]  # auto_tune's nested loop order
-    c = compare(POLICY, runner, trials=8, seeds=2, methods=("tpe", "random", "grid"))
+    c = compare(POLICY, runner, trials=8, seeds=2, methods=("tpe", "tpe-random-start", "random", "grid"))
     for curves in c.curves.values():
         for curve in curves:
             assert all(b >= a for a, b in zip(curve, curve[1:]))  # best-so-far never drops
@@ -61,6 +61,8 @@ def test_search_comparison_curves_and_the_grid(runner: SimTrialRunner) -> None:
     assert c.curves["grid"][0][-1] == pytest.approx(c.grid_best)
     s = c.summary()
     assert s["space_size"] >= len(space_configs(POLICY)) and s["methods"]["tpe"]["seeds"] == 2
+    assert s["default_trial"] is not None  # counted as the first trial of each sampler's study, as tune does
+    assert all(len(curve) == 8 for m in ("tpe", "tpe-random-start", "random") for curve in c.curves[m])
     assert all(t >= 1 for m in ("tpe", "random") for t in c.trials_to(m) if not math.isinf(t))
 
 

@@ -22,8 +22,9 @@ import tuner.study
 from dashboards.study import load_study
 from loadtest.summary import SLO
 from policies import SAMPLERS, PruningSpec, load_policy
-from tuner.objective import evaluate_capacity
+from tuner.objective import constraints_func, evaluate_capacity
 from tuner.pruning import PruneWatcher, gaps_above, itl_buckets
+from tuner.structured_start import ROLE_START, START_STEP_ATTR, startup_trials
 from tuner.study import (HEARTBEAT_STALE_S, ROLE_DEFAULT, SURPLUS_ATTR, Heartbeat, StorageError, best_trial,
                          closest_trial, counted_trials, default_trial, enqueue_default, is_surplus, open_storage,
                          open_study, recover_orphans, run_trials)
@@ -108,6 +109,63 @@ def test_tpe_finds_a_feasible_config_better_than_the_default(tmp_path: Path) -> 
     best = best_trial(study)
     assert best is not None and best.user_attrs["feasible"]
     assert best.values[0] > default_trial(study).values[0]
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "gp"])
+def test_the_default_trial_leaves_the_samplers_joint_search_space_whole(tmp_path: Path, sampler: str) -> None:
+    """The default-config trial has no params; seen by TPE (multivariate) or GP it empties the intersection search
+    space and they sample every knob independently (GP: at random) for the rest of the study."""
+    policy = load_policy().replace(trials=9, sampler=sampler, start="random")
+    study = open_study(open_storage(f"journal:{tmp_path}/s.journal"), "s", policy)
+    enqueue_default(study)
+    run_trials(study, CheapRunner(), policy, 5, tmp_path)
+    assert default_trial(study) is not None and not default_trial(study).params  # type: ignore[union-attr]
+    trial = study.ask()
+    space = study.sampler.infer_relative_search_space(study, study._storage.get_trial(trial._trial_id))
+    assert set(space) == set(policy.searched)
+    joint = {"multivariate": True} if sampler == "tpe" else {}
+    unwrapped = type(study.sampler.base)(seed=0, constraints_func=constraints_func, **joint)  # type: ignore
+    assert unwrapped.infer_relative_search_space(study, study._storage.get_trial(trial._trial_id)) == {}
+
+
+def _start_knobs(study: optuna.Study) -> list[dict[str, Any]]:
+    return [t.user_attrs["knobs"] for t in study.get_trials() if t.user_attrs.get("role") == ROLE_START]
+
+
+def test_tpe_starts_with_a_max_num_seqs_bisection_then_steps_at_the_boundary(tmp_path: Path) -> None:
+    policy = load_policy().replace(trials=30)  # 10 start-up trials
+    study = open_study(open_storage(str(tmp_path / "s.db")), "s", policy)
+    enqueue_default(study)
+    run_trials(study, CheapRunner(), policy, 13, tmp_path)
+    trials = study.get_trials()
+    roles = [t.user_attrs.get("role") for t in trials]
+    n = startup_trials(policy)
+    assert roles == [ROLE_DEFAULT] + [ROLE_START] * n + [None] * 2  # the start runs first, then TPE
+    starts = _start_knobs(study)
+    line = [t.user_attrs["knobs"] for t in trials if t.user_attrs.get(START_STEP_ATTR) == "line"]
+    # middle of 1-16 (log) first; the CheapRunner meets 50 ms up to 8 sequences at the middle chunk (32)
+    assert [k["max_num_seqs"] for k in line] == [4, 9, 6, 7, 8]
+    assert all(k["max_num_batched_tokens"] == 64 and k["chunk_size"] == 32 and k["block_size"] == 16 for k in line)
+    steps = starts[len(line):]
+    assert all(k["max_num_seqs"] in (8, 9) for k in steps)  # around the boundary: best feasible, first infeasible
+    assert len({str(sorted(k.items())) for k in starts}) == n  # distinct
+    space = {k.name: k for k in policy.search_space}
+    for k in starts:  # within the policy's space, its constraints met
+        assert k["chunk_size"] <= k["max_num_batched_tokens"] and k["max_num_seqs"] <= k["max_num_batched_tokens"]
+        assert space["max_num_seqs"].low <= k["max_num_seqs"] <= space["max_num_seqs"].high
+        assert all(k[name] in space[name].choices for name in ("max_num_batched_tokens", "chunk_size", "block_size"))
+    # reproducible: the same start (it follows from the results only); resuming continues it without repeats
+    again = open_study(open_storage(str(tmp_path / "again.db")), "s", policy)
+    enqueue_default(again)
+    run_trials(again, CheapRunner(), policy, 4, tmp_path)
+    again = open_study(open_storage(str(tmp_path / "again.db")), "s", policy)  # the rerun
+    assert not enqueue_default(again)
+    run_trials(again, CheapRunner(), policy, 13, tmp_path)
+    assert _start_knobs(again) == starts
+    # the policy can turn it off: Optuna's random start-up
+    off = open_study(open_storage(str(tmp_path / "off.db")), "s", policy.replace(start="random"))
+    run_trials(off, CheapRunner(), policy.replace(start="random"), 4, tmp_path)
+    assert not _start_knobs(off)
 
 
 def test_resume_runs_only_the_missing_trials_and_recovers_a_dead_process(tmp_path: Path) -> None:

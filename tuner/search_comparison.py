@@ -1,6 +1,10 @@
 """Search methods compared on the simulator, where many seeds are affordable: best feasible goodput against trials
-used, for TPE with constraints (the tuner's default), Optuna's GP sampler, random search, and a grid in the style of
-vLLM's ``benchmarks/auto_tune`` (every max_num_seqs x max_num_batched_tokens pair in order, other knobs default).
+used, for TPE with constraints and the structured start (the tuner's default), TPE with Optuna's random start-up
+("tpe-random-start"), Optuna's GP sampler, random search, and a grid in the style of vLLM's ``benchmarks/auto_tune``
+(every max_num_seqs x max_num_batched_tokens pair in order, other knobs default).
+
+As in ``tune``, a sampler's study first measures the engine's default config (one trial of the budget); the grid does
+not (auto_tune has no such trial). ``default_trial=False`` leaves it out.
 
 Every config of the (finite) search space is simulated once up front, so each method's trial costs a table lookup,
 and the exhaustive optimum is known exactly. The samplers ask through the tuner's own code
@@ -22,9 +26,10 @@ import optuna
 from policies import Policy
 from tuner.objective import goodput, slo_constraints, suggest_knobs
 from tuner.simulator_trial import SimTrialRunner
-from tuner.study import make_sampler
+from tuner.structured_start import enqueue_start
+from tuner.study import ROLE_DEFAULT, make_sampler
 
-METHODS = ("tpe", "gp", "random", "grid")
+METHODS = ("tpe", "tpe-random-start", "gp", "random", "grid")
 
 
 @dataclass(frozen=True)
@@ -87,8 +92,9 @@ def grid_configs(policy: Policy) -> list[dict[str, Any]]:
 
 
 def run_method(method: str, policy: Policy, table: dict[str, Point], trials: int, seed: int,
-               grid: list[dict[str, Any]] | None = None) -> list[float]:
-    """Best feasible goodput after each trial (0 until a feasible one is found)."""
+               grid: list[dict[str, Any]] | None = None, default: Point | None = None) -> list[float]:
+    """Best feasible goodput after each trial (0 until a feasible one is found). ``default``: the engine's default
+    config, measured as a sampler's first trial as ``tune`` does (the grid ignores it)."""
     from tuner.objective import CONSTRAINTS_ATTR
 
     best, curve = 0.0, []
@@ -102,11 +108,17 @@ def run_method(method: str, policy: Policy, table: dict[str, Point], trials: int
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # experimental-feature notices
         # The tuner's own sampler settings for a study of this many trials (tuner.study.make_sampler).
-        sampler = make_sampler(policy.replace(sampler=method, trials=trials), seed)
-        study = optuna.create_study(direction="maximize", sampler=sampler)
+        policy = policy.replace(sampler="tpe", start="random") if method == "tpe-random-start" else \
+            policy.replace(sampler=method, start="structured" if method == "tpe" else policy.start)
+        policy = policy.replace(trials=trials)
+        study = optuna.create_study(direction="maximize", sampler=make_sampler(policy, seed))
+        if default is not None:
+            study.enqueue_trial({}, user_attrs={"role": ROLE_DEFAULT})
         for _ in range(trials):
+            enqueue_start(study, policy)  # as run_trials does (TPE with the structured start only)
             trial = study.ask()
-            p = table[key(suggest_knobs(trial, policy))]
+            p = default if trial.user_attrs.get("role") == ROLE_DEFAULT else table[key(suggest_knobs(trial, policy))]
+            assert p is not None
             trial.set_user_attr(CONSTRAINTS_ATTR, list(p.constraints))
             study.tell(trial, p.goodput)
             best = max(best, p.goodput) if p.feasible else best
@@ -147,14 +159,22 @@ class Comparison:
 
 
 def compare(policy: Policy, runner: SimTrialRunner, trials: int = 60, seeds: int = 5,
-            methods: tuple[str, ...] = METHODS, progress: Callable[[str], None] | None = None) -> Comparison:
+            methods: tuple[str, ...] = METHODS, progress: Callable[[str], None] | None = None,
+            default_trial: bool = True) -> Comparison:
     grid = grid_configs(policy)
     table = evaluate_space(policy, runner, grid)
     feasible = [p.goodput for p in table.values() if p.feasible]
+    default = None
+    if default_trial:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            o = runner.run({})  # the runner's base config: the engine's default
+        assert runner.slo is not None
+        default = Point(goodput(o), o.feasible, tuple(slo_constraints(o, runner.slo)))
     curves: dict[str, list[list[float]]] = {}
     for m in methods:
         runs = 1 if m == "grid" else seeds
-        curves[m] = [run_method(m, policy, table, trials if m != "grid" else len(grid), s, grid)
+        curves[m] = [run_method(m, policy, table, trials if m != "grid" else len(grid), s, grid, default)
                      for s in range(runs)]
         if progress is not None:
             progress(f"{m}: {runs} runs")
@@ -162,7 +182,9 @@ def compare(policy: Policy, runner: SimTrialRunner, trials: int = 60, seeds: int
     return Comparison(curves=curves, optimum=max(feasible, default=0.0),
                       grid_best=max((p.goodput for p in grid_points if p.feasible), default=0.0),
                       space_size=len(table), trials=trials,
-                      meta={"feasible_configs": len(feasible), "grid_size": len(grid)})
+                      meta={"feasible_configs": len(feasible), "grid_size": len(grid),
+                            "default_trial": None if default is None else {"goodput": default.goodput,
+                                                                           "feasible": default.feasible}})
 
 
 def plot(comparison: Comparison, path: str) -> str:
@@ -170,7 +192,8 @@ def plot(comparison: Comparison, path: str) -> str:
     import plotly.graph_objects as go
 
     fig = go.Figure()
-    colors = {"tpe": "#1f77b4", "gp": "#2ca02c", "random": "#ff7f0e", "grid": "#7f7f7f"}
+    colors = {"tpe": "#1f77b4", "tpe-random-start": "#9467bd", "gp": "#2ca02c", "random": "#ff7f0e",
+              "grid": "#7f7f7f"}
     for m, cs in comparison.curves.items():
         n = max(len(c) for c in cs)
         xs = list(range(1, n + 1))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.trial import TrialState
 
 from loadtest.durations import format_duration
 from policies import Policy
@@ -197,7 +198,7 @@ class TuneSession:
         if best is None:
             closest = closest_trial(study)
             write_report(report, study, p.slo.as_dict(), title, lines + ["No config met the SLO."])
-            n = len(study.trials)
+            n = sum(t.state != TrialState.WAITING for t in study.get_trials(deepcopy=False))
             msg = f"{PROG}: no config met the SLO ({self.slo_text()}) in {n} trial{'s' * (n != 1)} at {rate:.3g} req/s."
             if closest is not None:
                 msg += (f"\n  closest (infeasible): trial #{closest.number} "

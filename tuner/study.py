@@ -28,10 +28,11 @@ from loadtest.summary import SLO
 from policies import Policy
 from tuner.objective import (CONSTRAINTS_ATTR, Evaluation, constraints_func, evaluate_capacity, evaluate_goodput,
                              suggest_knobs)
+from tuner.samplers import ROLE_DEFAULT, SamplerWithoutDefaultTrial
+from tuner.structured_start import enqueue_start, startup_trials
 from tuner.trial_runner import TrialOutcome, TrialRunner, check_stop
 
 DEFAULT_STORAGE = "sqlite:///tune-study.db"
-ROLE_DEFAULT = "default"
 # Marks a trial asked past the budget by a racing process and failed at once (the dashboard hides it).
 SURPLUS_ATTR = "surplus"
 # A running trial stamps "heartbeat" (wall-clock seconds) this often; one silent for HEARTBEAT_STALE_S belongs to
@@ -103,19 +104,21 @@ def _postgres_driver(url: str) -> str:
 
 def make_sampler(policy: Policy, seed: int | None = None) -> optuna.samplers.BaseSampler:
     seed = policy.seed if seed is None else seed
-    startup = max(2, min(10, policy.trials // 3))  # a short study must leave room for the model to guide it
+    startup = startup_trials(policy)
+    # The model-based samplers must not see the default-config trial (no params: see tuner/samplers.py).
     if policy.sampler == "tpe":
-        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, constraints_func=constraints_func,
-                                          multivariate=True)
+        return SamplerWithoutDefaultTrial(optuna.samplers.TPESampler(
+            seed=seed, n_startup_trials=startup, constraints_func=constraints_func, multivariate=True))
     if policy.sampler == "gp":
-        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=startup, constraints_func=constraints_func)
+        return SamplerWithoutDefaultTrial(optuna.samplers.GPSampler(
+            seed=seed, n_startup_trials=startup, constraints_func=constraints_func))
     if policy.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if policy.sampler == "grid":
         return optuna.samplers.GridSampler({k.name: k.grid_values() for k in policy.search_space}, seed=seed)
     if policy.sampler == "nsga2":
-        return optuna.samplers.NSGAIISampler(seed=seed, population_size=max(4, min(20, policy.trials // 2)),
-                                             constraints_func=constraints_func)
+        return SamplerWithoutDefaultTrial(optuna.samplers.NSGAIISampler(
+            seed=seed, population_size=max(4, min(20, policy.trials // 2)), constraints_func=constraints_func))
     raise ValueError(f"unknown sampler {policy.sampler!r}")
 
 
@@ -283,6 +286,7 @@ def run_trials(study: optuna.Study, runner: TrialRunner, policy: Policy, n_trial
         check_stop()
         if deadline is not None and time.monotonic() > deadline:
             break
+        enqueue_start(study, policy)
         trial = study.ask()
         if is_surplus(study, trial.number, n_trials):
             # another process took the last slot between our count and our ask: give this one back
