@@ -56,6 +56,11 @@ def constraints_func(trial: optuna.trial.FrozenTrial) -> Sequence[float]:
     return trial.user_attrs.get(CONSTRAINTS_ATTR, [FAILED_VIOLATION])
 
 
+def meets_constraints(trial: optuna.trial.FrozenTrial) -> bool:
+    """A finished trial within every SLO target (its stored constraint values all <= 0)."""
+    return trial.state == optuna.trial.TrialState.COMPLETE and all(c <= 0 for c in constraints_func(trial))
+
+
 def goodput(outcome: TrialOutcome) -> float:
     v = outcome.summary.get("goodput_rps") if outcome.summary else None
     return 0.0 if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)

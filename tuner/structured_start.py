@@ -22,7 +22,7 @@ import optuna
 from optuna.trial import TrialState
 
 from policies import KnobRange, Policy
-from tuner.objective import CONSTRAINTS_ATTR
+from tuner.objective import meets_constraints
 
 ROLE_START = "start"  # a trial of the structured start (start_config)
 START_STEP_ATTR = "start_step"  # which part of the start: "line" (max_num_seqs bisection) or "step" (boundary steps)
@@ -95,10 +95,6 @@ def _bisect_next(values: list[Any], lo: int, hi: int, log: bool) -> int | None:
     return min(left, key=lambda i: (abs(f(values[i]) - mid), i))
 
 
-def _meets(t: optuna.trial.FrozenTrial) -> bool:
-    return t.state == TrialState.COMPLETE and all(c <= 0 for c in t.user_attrs.get(CONSTRAINTS_ATTR, [1.0]))
-
-
 def start_config(study: optuna.Study, policy: Policy) -> tuple[dict[str, Any], str] | None:
     """The next config of the structured start (params of the searched knobs, and its part: "line" or "step"), from
     the study's finished start trials; None when the start is over (or off, or one of its trials is still waiting
@@ -120,7 +116,7 @@ def start_config(study: optuna.Study, policy: Policy) -> tuple[dict[str, Any], s
         if t.user_attrs.get(START_STEP_ATTR) != "line" or t.params.get(LINE_KNOB) not in values:
             continue
         i = values.index(t.params[LINE_KNOB])
-        if _meets(t):
+        if meets_constraints(t):
             lo = max(lo, i)
             if best is None or t.values[0] > best.values[0]:
                 best = t

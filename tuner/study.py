@@ -27,7 +27,7 @@ from optuna.trial import TrialState
 from loadtest.summary import SLO
 from policies import Policy
 from tuner.objective import (CONSTRAINTS_ATTR, Evaluation, constraints_func, evaluate_capacity, evaluate_goodput,
-                             suggest_knobs)
+                             meets_constraints, suggest_knobs)
 from tuner.samplers import ROLE_DEFAULT, SamplerWithoutDefaultTrial
 from tuner.structured_start import enqueue_start, startup_trials
 from tuner.trial_runner import TrialOutcome, TrialRunner, check_stop
@@ -231,8 +231,7 @@ def enqueue_default(study: optuna.Study) -> bool:
 
 
 def feasible(t: optuna.trial.FrozenTrial) -> bool:
-    return t.state == TrialState.COMPLETE and bool(t.user_attrs.get("feasible")) and all(
-        c <= 0 for c in t.user_attrs.get(CONSTRAINTS_ATTR, [1.0]))
+    return bool(t.user_attrs.get("feasible")) and meets_constraints(t)
 
 
 def measured(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
