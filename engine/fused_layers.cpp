@@ -390,34 +390,37 @@ Tensor rms_norm(const Tensor& input, const Tensor& weight, double eps) {
 // One query token per sequence against its cached keys and values, read in place through the block table: no
 // gathered copy of the context (which grows with context length and batch), one task per (sequence, query head).
 // Two passes per task: scores into a buffer, then softmax-weighted values.
+// f(t, slot) for each of a sequence's first `context` cached tokens, block by block through its block table (a
+// division per token, twice per token and head, cost more than the dot products); `cache` points at the head.
+template <typename F>
+static inline void for_each_cached_token(const float* cache, const int64_t* table, int64_t context,
+                                         int64_t block_size, int64_t token_stride, const F& f) {
+  for (int64_t start = 0, b = 0; start < context; start += block_size, ++b) {
+    const float* block = cache + table[b] * block_size * token_stride;
+    const int64_t n = std::min(block_size, context - start);
+    for (int64_t i = 0; i < n; ++i) f(start + i, block + i * token_stride);
+  }
+}
+
 static void decode_attention_task(const float* q, const float* key_cache, const float* value_cache,
                                   const int64_t* table, int64_t context, int64_t block_size, int64_t kv_heads,
                                   int64_t kv_head, int64_t dim, float scale, float* scores, float* out) {
   const int64_t token_stride = kv_heads * dim;  // floats between consecutive slots of a block
-  const int64_t block_stride = block_size * token_stride;
-  // block by block: a division per token (twice per token and head) cost more than the dot products
   float max_score = -INFINITY;
-  for (int64_t start = 0, b = 0; start < context; start += block_size, ++b) {
-    const float* keys = key_cache + table[b] * block_stride + kv_head * dim;
-    const int64_t n = std::min(block_size, context - start);
-    for (int64_t i = 0; i < n; ++i) {
-      const float score = dot(q, keys + i * token_stride, dim) * scale;
-      scores[start + i] = score;
-      max_score = std::max(max_score, score);
-    }
-  }
+  for_each_cached_token(key_cache + kv_head * dim, table, context, block_size, token_stride,
+                        [&](int64_t t, const float* key) {
+                          const float score = dot(q, key, dim) * scale;
+                          scores[t] = score;
+                          max_score = std::max(max_score, score);
+                        });
   float total = 0.f;
   for (int64_t t = 0; t < context; ++t) total += (scores[t] = std::exp(scores[t] - max_score));
   std::fill(out, out + dim, 0.f);
-  for (int64_t start = 0, b = 0; start < context; start += block_size, ++b) {
-    const float* values = value_cache + table[b] * block_stride + kv_head * dim;
-    const int64_t n = std::min(block_size, context - start);
-    for (int64_t i = 0; i < n; ++i) {
-      const float* v = values + i * token_stride;
-      const float weight = scores[start + i];
-      for (int64_t d = 0; d < dim; ++d) out[d] += weight * v[d];
-    }
-  }
+  for_each_cached_token(value_cache + kv_head * dim, table, context, block_size, token_stride,
+                        [&](int64_t t, const float* v) {
+                          const float weight = scores[t];
+                          for (int64_t d = 0; d < dim; ++d) out[d] += weight * v[d];
+                        });
   const float inverse = 1.f / total;
   for (int64_t d = 0; d < dim; ++d) out[d] *= inverse;
 }
