@@ -27,7 +27,7 @@ from policies import Policy
 from tuner.objective import goodput, slo_constraints, suggest_knobs
 from tuner.simulator_trial import SimTrialRunner
 from tuner.structured_start import enqueue_start
-from tuner.study import ROLE_DEFAULT, make_sampler
+from tuner.study import ROLE_DEFAULT, enqueue_default, make_sampler
 
 METHODS = ("tpe", "tpe-random-start", "gp", "random", "grid")
 
@@ -113,7 +113,7 @@ def run_method(method: str, policy: Policy, table: dict[str, Point], trials: int
         policy = policy.replace(trials=trials)
         study = optuna.create_study(direction="maximize", sampler=make_sampler(policy, seed))
         if default is not None:
-            study.enqueue_trial({}, user_attrs={"role": ROLE_DEFAULT})
+            enqueue_default(study)
         for _ in range(trials):
             enqueue_start(study, policy)  # as run_trials does (TPE with the structured start only)
             trial = study.ask()

@@ -206,17 +206,18 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+# Trials that use up the budget: finished (complete or pruned) and running ones.
+COUNTED_STATES = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+
+
 def counted_trials(study: optuna.Study) -> int:
-    """Trials that use up the budget: finished (complete or pruned) and running ones."""
-    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
-                                                        TrialState.RUNNING)))
+    return len(study.get_trials(deepcopy=False, states=COUNTED_STATES))
 
 
 def is_surplus(study: optuna.Study, number: int, n_trials: int) -> bool:
     """Whether trial ``number`` is over the budget: processes sharing a study may each count n-1 trials and ask one;
     the first ``n_trials`` counted trials by number keep their slot, so exactly one of the racers runs."""
-    earlier = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
-                                                                    TrialState.RUNNING)) if t.number < number]
+    earlier = [t for t in study.get_trials(deepcopy=False, states=COUNTED_STATES) if t.number < number]
     return len(earlier) >= n_trials
 
 
