@@ -11,7 +11,10 @@ into the cache folder, for this CPU (-march=native; the folder is named after th
   tiles beat MKL's sgemm up to 256+ rows, so steps with a prefill chunk gain too).
 - The kernels' loops run on torch's thread count through the work pool in fused_layers.cpp (not ATen's
   parallel_for: without -fopenmp it compiles to a serial loop, and OpenMP's barrier stalls beside a busy process).
-- ``decode_attention``: one query per sequence against its keys and values read in place through the block table.
+- ``decode_attention``: one query per sequence against its keys and values read in place through the block table;
+  the query heads that share a KV head read each key and value row once, and at small batches each context is split
+  into slices (merged after) so that both threads work.
+- ``pack_weights``: the model's weights, in the order a forward pass reads them, in one buffer on 2 MB pages.
 - ``rms_norm``, ``rotary_cache_write`` (rotary queries and keys, new keys and values into the cache) and
   ``silu_and_mul``: one loop each instead of several ATen calls.
 

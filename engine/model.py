@@ -5,6 +5,7 @@ token; q/k/v and gate/up projections are fused into one matmul each to save pass
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,21 +69,42 @@ class LlamaModel:
         # with the same kernels, for comparisons).
         self.kernels = fused_layers.load() if dtype == torch.float32 and device.type == "cpu" else None
         self.fused_loop = self.kernels is not None
+        if self.kernels is not None:
+            self._pack_weights(self.kernels)
         self._fused_weights = [
             [layer.input_norm for layer in self.layers], [layer.qkv for layer in self.layers],
             [layer.qkv_bias for layer in self.layers if layer.qkv_bias is not None],
             [layer.o_proj for layer in self.layers], [layer.post_attention_norm for layer in self.layers],
             [layer.gate_up for layer in self.layers], [layer.down for layer in self.layers]]
 
-    def weight_bytes(self) -> int:
-        """Bytes of weights one forward pass reads (the tied embedding is read once, as the LM head)."""
-        tensors = [self.final_norm, self.lm_head]
+    def _weights_in_forward_order(self) -> list[torch.Tensor]:
+        """The weights one forward pass reads, in the order it reads them (a tied embedding once, as the LM head;
+        an untied one is not streamed: a step looks up a few of its rows)."""
+        tensors: list[torch.Tensor] = []
         for layer in self.layers:
-            tensors += [layer.input_norm, layer.qkv, layer.o_proj, layer.post_attention_norm, layer.gate_up,
-                        layer.down]
+            tensors += [layer.input_norm, layer.qkv]
             if layer.qkv_bias is not None:
                 tensors.append(layer.qkv_bias)
-        return sum(t.numel() * t.element_size() for t in tensors)
+            tensors += [layer.o_proj, layer.post_attention_norm, layer.gate_up, layer.down]
+        return tensors + [self.final_norm, self.lm_head]
+
+    def _pack_weights(self, kernels: Any) -> None:
+        """Moves the weights into one buffer in forward order, where the kernels' idle threads prefetch the weights
+        the next matrix-vector products read (engine/fused_layers.cpp, pack_weights)."""
+        packed = iter(kernels.pack_weights(self._weights_in_forward_order()))
+        tied = self.lm_head is self.embed_tokens
+        for index, layer in enumerate(self.layers):
+            self.layers[index] = LayerWeights(
+                input_norm=next(packed), qkv=next(packed),
+                qkv_bias=next(packed) if layer.qkv_bias is not None else None,
+                o_proj=next(packed), post_attention_norm=next(packed), gate_up=next(packed), down=next(packed))
+        self.final_norm, self.lm_head = next(packed), next(packed)
+        if tied:
+            self.embed_tokens = self.lm_head
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one forward pass reads (the tied embedding is read once, as the LM head)."""
+        return sum(t.numel() * t.element_size() for t in self._weights_in_forward_order())
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:

@@ -76,6 +76,30 @@ def test_fused_layer_loop_is_bit_identical_to_the_python_loop(llm: LLM, batch) -
     assert not torch.equal(key0, kv.key)  # the step did write the new tokens' keys
 
 
+def test_the_model_weights_live_in_one_packed_buffer_in_forward_order(llm: LLM) -> None:
+    model = llm.engine.model
+    weights = model._weights_in_forward_order()
+    storage = weights[0].untyped_storage().data_ptr()
+    addresses = [w.data_ptr() for w in weights]
+    assert all(w.untyped_storage().data_ptr() == storage for w in weights)
+    assert addresses == sorted(addresses) and all(a % 64 == 0 for a in addresses)
+    assert storage % (2 << 20) == 0  # huge-page aligned, so the kernel can back it with 2 MB pages
+    assert model.embed_tokens is model.lm_head  # SmolLM2 ties them: one copy, streamed last
+
+
+def test_pack_weights_copies_values_shapes_and_dtypes() -> None:
+    kernels = fused_layers.load()
+    assert kernels is not None
+    tensors = [torch.randn(3, 5), torch.arange(7, dtype=torch.int64), torch.randn(2, 3, 4).transpose(0, 2),
+               torch.ones(0)]
+    packed = kernels.pack_weights(tensors)
+    for original, copy in zip(tensors, packed, strict=True):
+        assert copy.dtype == original.dtype and copy.shape == original.shape and copy.is_contiguous()
+        assert torch.equal(copy, original)
+    tensors[0].add_(1)  # a copy, not a view of the original
+    assert not torch.equal(packed[0], tensors[0])
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6])
 @pytest.mark.parametrize("features", [576, 100])  # 100: not a multiple of the 16-float vectors
 def test_small_batch_linear_matches_aten(llm: LLM, rows: int, features: int) -> None:
@@ -165,16 +189,23 @@ def test_kernels_called_from_several_threads_at_once_stay_correct(llm: LLM) -> N
 
 
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_decode_attention_reads_the_paged_cache_like_torch_attention(llm: LLM, block_size: int) -> None:
+@pytest.mark.parametrize(("contexts", "heads", "kv_heads", "dim"), [
+    ([1, 7, 33, 130], 9, 3, 64),  # SmolLM2's heads, a batch: one slice per context
+    ([257], 9, 3, 64),  # batch 1: each context split into slices, merged after
+    ([300, 5], 8, 1, 128),  # a group of 8 query heads per KV head (in register-sized parts); empty slices
+    ([40, 90], 4, 4, 80),  # no grouping; a head size the vector kernel does not cover (the scalar loop)
+    ([1], 2, 2, 64),
+])
+def test_decode_attention_reads_the_paged_cache_like_torch_attention(llm: LLM, block_size: int, contexts: list[int],
+                                                                     heads: int, kv_heads: int, dim: int) -> None:
     """Against gather + scaled_dot_product_attention (engine/attention.py without the kernels): sequences of
-    different context lengths on shuffled blocks, 9 query heads over 3 key/value heads."""
+    different context lengths on shuffled blocks."""
     kernels = llm.engine.model.kernels
     assert kernels is not None
     generator = torch.Generator().manual_seed(block_size)
-    contexts = [1, 7, 33, 130]
     num_blocks = sum(-(-c // block_size) for c in contexts) + 3
-    key_cache = torch.randn(num_blocks, block_size, 3, 64, generator=generator)
-    value_cache = torch.randn(num_blocks, block_size, 3, 64, generator=generator)
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator) * 2
+    value_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator)
     order = torch.randperm(num_blocks, generator=generator).tolist()
     width = -(-max(contexts) // block_size)
     tables = []
@@ -182,15 +213,17 @@ def test_decode_attention_reads_the_paged_cache_like_torch_attention(llm: LLM, b
         used = [order.pop() for _ in range(-(-context // block_size))]
         tables.append(used + [0] * (width - len(used)))
     table_tensor, lens = torch.tensor(tables), torch.tensor(contexts)
-    query = torch.randn(len(contexts), 9, 64, generator=generator)
+    query = torch.randn(len(contexts), heads, dim, generator=generator)
     mask = (torch.arange(max(contexts))[None, :] < lens[:, None])[:, None, None, :]
     group = DecodeGroup(0, len(contexts), table_tensor, max(contexts), mask, lens)
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), decode_groups=[group])
-    expected = paged_attention(query, query[:, :3], query[:, :3], key_cache, value_cache, meta, 0.125, None)
-    got = kernels.decode_attention(query, key_cache, value_cache, table_tensor, lens, 0.125)
+    scale = dim ** -0.5
+    kv = query[:, :kv_heads]  # (unused: decode attention reads the cache)
+    expected = paged_attention(query, kv, kv, key_cache, value_cache, meta, scale, None)
+    got = kernels.decode_attention(query, key_cache, value_cache, table_tensor, lens, scale)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="outside the block table"):
-        kernels.decode_attention(query, key_cache, value_cache, table_tensor, lens + width * block_size, 0.125)
+        kernels.decode_attention(query, key_cache, value_cache, table_tensor, lens + width * block_size, scale)
 
 
 def test_rms_norm_matches_torch(llm: LLM) -> None:
@@ -243,9 +276,10 @@ def test_rotary_cache_write_and_silu_match_torch(llm: LLM) -> None:
     with pytest.raises(RuntimeError, match="slot 64 outside the cache"):
         kernels.rotary_cache_write(qkv, cos, sin, slots + 1, keys, values, heads, kv_heads, dim)
 
-    gate_up = torch.randn(3, 2 * 1536, generator=generator) * 4
+    gate_up = torch.randn(3, 2 * 1544, generator=generator) * 4  # 1544: a tail after the 16-float vectors
+    gate_up[0, :200] = torch.linspace(-120, 120, 200)  # where exp under- and overflows
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(kernels.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kernels.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-7)
 
 
 def test_linear_adds_the_residual(llm: LLM) -> None:
