@@ -26,8 +26,8 @@ from tuner.objective import constraints_func, evaluate_capacity
 from tuner.pruning import PruneWatcher, gaps_above, itl_buckets
 from tuner.structured_start import ROLE_START, START_STEP_ATTR, startup_trials
 from tuner.study import (HEARTBEAT_STALE_S, ROLE_DEFAULT, SURPLUS_ATTR, Heartbeat, StorageError, best_trial,
-                         closest_trial, counted_trials, default_trial, enqueue_default, is_surplus, open_storage,
-                         open_study, recover_orphans, run_trials)
+                         choose_rate, closest_trial, counted_trials, default_trial, enqueue_default, is_surplus,
+                         open_storage, open_study, recover_orphans, run_trials)
 from tuner.trial_runner import TrialOutcome, feasibility, step_stats
 
 DEFAULT_KNOBS = {"max_num_seqs": 64, "max_num_batched_tokens": 512, "chunk_size": None, "block_size": 16}
@@ -268,6 +268,37 @@ def test_capacity_bisects_the_rate(tmp_path: Path) -> None:
     assert ev.value == 3.0 and ev.outcome.feasible and ev.constraints == [0.0]
     none = evaluate_capacity(runner, {"max_num_seqs": 64}, tmp_path, probes=2)
     assert none.value == 0.0 and not none.outcome.feasible and none.constraints[0] > 0
+
+
+@dataclass
+class ScriptedRunner(CheapRunner):
+    """The default config's attainment per probe, in order (a noisy machine: the same rate may pass, then fail)."""
+
+    script: list[float] = field(default_factory=list)
+
+    def run(self, knobs: dict[str, Any], out_dir: Path, rate: float | None = None,
+            prune: bool = True) -> TrialOutcome:
+        attainment = self.script[len(self.calls)]
+        self.calls.append({"rate": rate})
+        summary = {"requests": 10, "completed": 10, "tbt_p99": 0.04 if attainment >= 0.9 else 0.08,
+                   "attainment": attainment, "goodput_rps": (rate or 0.0) * attainment}
+        return TrialOutcome({}, summary, step_stats([]), attainment >= 0.9, feasibility(summary, self.slo),
+                            out_dir, rate=rate)
+
+
+@pytest.mark.parametrize(("script", "rates", "chosen", "words"), [
+    ([1.0, 1.0, 0.8, 0.7], [1, 2, 4, 4], 4, "twice"),  # a confirmed failure
+    ([1.0, 0.8, 1.0, 0.5, 0.6], [1, 2, 2, 4, 4], 4, "twice"),  # 2 req/s failed once only: the edge, go on
+    ([1.0, 1.0, 0.8, 1.0, 0.85, 0.6], [1, 2, 4, 4, 8, 8], 8, "twice"),
+    ([1.0, 1.0, 1.0, 1.0, 1.0, 0.5], [1, 2, 4, 8, 16, 32], 32, "once (no probe left"),
+    ([1.0] * 6, [1, 2, 4, 8, 16, 32], 32, "attained >= 90% up to 32"),
+])
+def test_rate_auto_needs_the_default_to_fail_twice_at_a_rate(tmp_path: Path, script: list[float], rates: list[float],
+                                                            chosen: float, words: str) -> None:
+    runner = ScriptedRunner(script=script)
+    choice = choose_rate(runner, tmp_path, on_probe=lambda rate, outcome: None)  # type: ignore[arg-type]
+    assert [c["rate"] for c in runner.calls] == rates and [p["rate"] for p in choice.probes] == rates
+    assert choice.rate == chosen and words in choice.reason
 
 
 def test_pruning_judges_the_window_share_above_the_target() -> None:

@@ -23,7 +23,6 @@ from tuner.study import (ROLE_DEFAULT, TrialReport, best_trial, choose_rate, clo
 from tuner.trial_runner import TrialOutcome, TrialRunner
 
 PROG = "tune"
-RATE_PROBE_WINDOW_S = 8.0  # measurement window of one --rate auto probe
 
 
 def say(text: str) -> None:
@@ -147,8 +146,10 @@ class TuneSession:
         if self.policy.rate is not None:
             return self.policy.rate, "given (--rate or the policy)"
         say(f"{PROG}: --rate auto: probing the default config ...")
-        probe = TrialRunner(runner.engine, workload=runner.workload, rate=1.0, duration=RATE_PROBE_WINDOW_S,
-                            warmup=min(2.0, self.policy.warmup), slo=runner.slo, pruning=None, seed=runner.seed,
+        # Each probe is the measurement the study's default trial repeats (same window, warm-up and arrival seed):
+        # shorter probes (8 s, ~16 requests at 2 req/s) decided on a few requests and on another arrival draw.
+        probe = TrialRunner(runner.engine, workload=runner.workload, rate=1.0, duration=runner.duration,
+                            warmup=runner.warmup, slo=runner.slo, pruning=None, seed=runner.seed,
                             base_knobs=runner.base_knobs)
         choice = choose_rate(probe, self.trials_dir / "rate-auto",
                              on_probe=lambda r, o: say(f"  probe {r:.3g} req/s: {self.describe(o)}"))
