@@ -545,30 +545,46 @@ static inline Partial softmax_weights(float* scores, int64_t n) {
   return {max_score, sum16(sum)};
 }
 
-// All query heads of one sequence over its tokens first..last-1 (head size 16 * DV). scores: heads rows of `width`
-// (>= last - first rounded up to 16) floats; outputs: [heads, dim] unnormalized; partials: [heads].
-template <int DV>
-static void attend_slice(const float* q, const float* key_cache, const float* value_cache, const int64_t* table,
-                         int64_t first, int64_t last, int64_t block_size, int64_t heads, int64_t kv_heads,
-                         float scale, float* scores, int64_t width, Partial* partials, float* outputs) {
-  constexpr int64_t dim = 16 * DV;
-  constexpr int64_t kMaxHeads = std::max(1, 16 / DV);  // running sums of at most 16 registers
-  const int64_t group = heads / kv_heads, stride = kv_heads * dim;
+// One slice's two passes over its tokens, 16 at a time through the block table: score(rows, offset, count) writes
+// the heads' scores of tokens offset.. (scores: heads rows of `width` >= the slice rounded up to 16 floats), which
+// then become softmax weights (partials: [heads]); accumulate(rows, offset, count) adds the weighted values into
+// outputs ([heads, dim], unnormalized).
+template <typename Score, typename Accumulate>
+static inline void attend_slice_passes(const float* key_cache, const float* value_cache, const int64_t* table,
+                                       int64_t first, int64_t last, int64_t block_size, int64_t stride,
+                                       int64_t heads, int64_t dim, float* scores, int64_t width, Partial* partials,
+                                       float* outputs, const Score& score, const Accumulate& accumulate) {
   const float* rows[kTokenGroup];
   for (int64_t t0 = first; t0 < last; t0 += kTokenGroup) {
     const int64_t count = std::min(kTokenGroup, last - t0);
     token_rows(key_cache, table, t0, count, block_size, stride, rows);
-    for (int64_t h = 0; h < heads; ++h)
-      score_group<DV>(q + h * dim, rows, h / group * dim, count, scale, scores + h * width + t0 - first);
+    score(rows, t0 - first, count);
   }
   for (int64_t h = 0; h < heads; ++h) partials[h] = softmax_weights(scores + h * width, last - first);
   std::fill(outputs, outputs + heads * dim, 0.f);
   for (int64_t t0 = first; t0 < last; t0 += kTokenGroup) {
     const int64_t count = std::min(kTokenGroup, last - t0);
     token_rows(value_cache, table, t0, count, block_size, stride, rows);
+    accumulate(rows, t0 - first, count);
+  }
+}
+
+// All query heads of one sequence over its tokens first..last-1, for a head size of 16 * DV.
+template <int DV>
+static void attend_slice(const float* q, const float* key_cache, const float* value_cache, const int64_t* table,
+                         int64_t first, int64_t last, int64_t block_size, int64_t heads, int64_t kv_heads,
+                         float scale, float* scores, int64_t width, Partial* partials, float* outputs) {
+  constexpr int64_t dim = 16 * DV;
+  constexpr int64_t kMaxHeads = std::max(1, 16 / DV);  // running sums of at most 16 registers
+  const int64_t group = heads / kv_heads;
+  const auto score = [&](const float* const* rows, int64_t offset, int64_t count) {
+    for (int64_t h = 0; h < heads; ++h)
+      score_group<DV>(q + h * dim, rows, h / group * dim, count, scale, scores + h * width + offset);
+  };
+  const auto accumulate = [&](const float* const* rows, int64_t offset, int64_t count) {
     for (int64_t kv_head = 0; kv_head < kv_heads; ++kv_head)
       for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h += kMaxHeads) {
-        const float* w = scores + h * width + t0 - first;
+        const float* w = scores + h * width + offset;
         float* o = outputs + h * dim;
         switch (std::min(kMaxHeads, (kv_head + 1) * group - h)) {
           case 1: accumulate_group<DV, 1>(w, width, rows, kv_head * dim, count, o); break;
@@ -577,7 +593,9 @@ static void attend_slice(const float* q, const float* key_cache, const float* va
           default: accumulate_group<DV, std::min<int>(4, kMaxHeads)>(w, width, rows, kv_head * dim, count, o); break;
         }
       }
-  }
+  };
+  attend_slice_passes(key_cache, value_cache, table, first, last, block_size, kv_heads * dim, heads, dim, scores,
+                      width, partials, outputs, score, accumulate);
 }
 
 // The same for any head size (scalar loops; no model this engine serves by default has one).
@@ -585,27 +603,22 @@ static void attend_slice_any(const float* q, const float* key_cache, const float
                              int64_t first, int64_t last, int64_t block_size, int64_t heads, int64_t kv_heads,
                              int64_t dim, float scale, float* scores, int64_t width, Partial* partials,
                              float* outputs) {
-  const int64_t group = heads / kv_heads, stride = kv_heads * dim;
-  const float* rows[kTokenGroup];
-  for (int64_t t0 = first; t0 < last; t0 += kTokenGroup) {
-    const int64_t count = std::min(kTokenGroup, last - t0);
-    token_rows(key_cache, table, t0, count, block_size, stride, rows);
+  const int64_t group = heads / kv_heads;
+  const auto score = [&](const float* const* rows, int64_t offset, int64_t count) {
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t i = 0; i < count; ++i)
-        scores[h * width + t0 - first + i] = dot(q + h * dim, rows[i] + h / group * dim, dim) * scale;
-  }
-  for (int64_t h = 0; h < heads; ++h) partials[h] = softmax_weights(scores + h * width, last - first);
-  std::fill(outputs, outputs + heads * dim, 0.f);
-  for (int64_t t0 = first; t0 < last; t0 += kTokenGroup) {
-    const int64_t count = std::min(kTokenGroup, last - t0);
-    token_rows(value_cache, table, t0, count, block_size, stride, rows);
+        scores[h * width + offset + i] = dot(q + h * dim, rows[i] + h / group * dim, dim) * scale;
+  };
+  const auto accumulate = [&](const float* const* rows, int64_t offset, int64_t count) {
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t i = 0; i < count; ++i) {
-        const float w = scores[h * width + t0 - first + i];
+        const float w = scores[h * width + offset + i];
         const float* v = rows[i] + h / group * dim;
         for (int64_t d = 0; d < dim; ++d) outputs[h * dim + d] += w * v[d];
       }
-  }
+  };
+  attend_slice_passes(key_cache, value_cache, table, first, last, block_size, kv_heads * dim, heads, dim, scores,
+                      width, partials, outputs, score, accumulate);
 }
 
 // query [seqs, heads, dim]; caches [blocks, block_size, kv_heads, dim]; block_tables [seqs, >= ceil(context /
