@@ -66,6 +66,13 @@ class RequestFailed(EngineLoopError):
     """The engine failed while serving the request (not the client's fault)."""
 
 
+class LeaseConflict(EngineLoopError):
+    """A confirmation that names a generation that is not the one under lease."""
+
+    status = 409
+    error_type = "conflict"
+
+
 # What the engine thread hands to the front end --------------------------------------------------------------
 @dataclass(frozen=True)
 class Prompt:
@@ -145,6 +152,22 @@ class _Tracked:
     num_tokens: int = 0
     last_token: float | None = None
     queued: bool = True  # not yet scheduled for the first time
+    gaps: list[float] = dataclasses.field(default_factory=list)  # inter-token gaps, for the request's own p99
+
+
+@dataclass(frozen=True)
+class ConfigLease:
+    """An applied config that the engine reverts by itself unless it is confirmed before `deadline`."""
+
+    generation: int  # the leased generation
+    kept_generation: int  # the last kept (confirmed or unleased) generation, whose knobs come back on expiry
+    revert_to: dict[str, Any]
+    lease_s: float
+    deadline: float  # time.monotonic()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"generation": self.generation, "kept_generation": self.kept_generation, "lease_s": self.lease_s,
+                "expires_in_s": max(0.0, self.deadline - time.monotonic())}
 
 
 @dataclass(frozen=True)
@@ -168,6 +191,8 @@ class EngineSnapshot:
     limits: ModelLimits
     max_model_len: int
     last_step: int
+    lease: ConfigLease | None = None
+    lease_reverts: int = 0
 
 
 @dataclass
@@ -246,6 +271,8 @@ class EngineLoop:
         self.draining = False  # set on SIGTERM: no new requests
         self.dead: BaseException | None = None
         self._last_step = -1
+        self._lease: ConfigLease | None = None
+        self._lease_reverts = 0
         self.snapshot = self._take_snapshot()
 
     # Lifecycle (event loop thread) -----------------------------------------------------------------------------
@@ -300,12 +327,22 @@ class EngineLoop:
         if request_ids:
             self._submit(_Command("abort", (list(request_ids),)))
 
-    async def update_config(self, knobs: dict[str, Any]) -> EngineConfig:
-        """Apply knobs at the next step boundary; raises ConfigError (nothing changed) on a bad value."""
+    async def update_config(self, knobs: dict[str, Any], lease_s: float | None = None) -> EngineConfig:
+        """Apply knobs at the next step boundary; raises ConfigError (nothing changed) on a bad value. With
+        `lease_s`, the engine returns to the last kept config by itself unless `confirm_config` names the new
+        generation within that many seconds."""
         if not self.alive:
             raise EngineUnavailable("the engine is not running")
         future = self._future()
-        self._submit(_Command("config", (dict(knobs),), future))
+        self._submit(_Command("config", (dict(knobs), lease_s), future))
+        return await future
+
+    async def confirm_config(self, generation: int) -> EngineConfig:
+        """Keep the leased config of `generation`; raises LeaseConflict when that generation is not under lease."""
+        if not self.alive:
+            raise EngineUnavailable("the engine is not running")
+        future = self._future()
+        self._submit(_Command("confirm", (generation,), future))
         return await future
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
@@ -323,6 +360,7 @@ class EngineLoop:
             while True:
                 self._wakeup.clear()
                 self._process_commands()
+                self._expire_lease()
                 if self._stop_requested:
                     self._abort_all("the server is shutting down")
                     self._publish()
@@ -331,7 +369,9 @@ class EngineLoop:
                     self._step()
                 else:
                     self._publish()
-                    self._wakeup.wait(IDLE_WAIT_S)
+                    lease = self._lease
+                    self._wakeup.wait(IDLE_WAIT_S if lease is None
+                                      else min(IDLE_WAIT_S, max(0.0, lease.deadline - time.monotonic())))
         except BaseException as error:  # noqa: BLE001 - the loop must report its death, not vanish
             logger.exception("the engine loop died")
             self.dead = error
@@ -348,6 +388,8 @@ class EngineLoop:
                     result = self._abort(*command.args)
                 elif command.kind == "config":
                     result = self._update_config(*command.args)
+                elif command.kind == "confirm":
+                    result = self._confirm_config(*command.args)
                 elif command.kind == "call":
                     result = command.args[0](self.engine)
                 else:  # pragma: no cover
@@ -452,19 +494,57 @@ class EngineLoop:
                 aborted += 1
         return aborted
 
-    def _update_config(self, knobs: dict[str, Any]) -> EngineConfig:
+    def _update_config(self, knobs: dict[str, Any], lease_s: float | None = None) -> EngineConfig:
         engine = self.engine
         if not knobs:
             return engine.config
         check_knob_types(knobs)
-        candidate = engine.config.updated(engine.limits, **knobs)  # raises ConfigError, changes nothing
-        if candidate.changed_knobs(engine.config) & RELAYOUT_KNOBS:
+        before = engine.config
+        candidate = before.updated(engine.limits, **knobs)  # raises ConfigError, changes nothing
+        if candidate.changed_knobs(before) & RELAYOUT_KNOBS:
             self._check_kv_memory(candidate, knobs)
         new = engine.update_config(**knobs)
+        if lease_s is None:
+            self._lease = None  # an unleased change is kept as it is
+        else:
+            # Under a lease already: expiry still returns to the last kept config, not to the leased one before.
+            kept = self._lease
+            self._lease = ConfigLease(new.generation, kept.kept_generation if kept else before.generation,
+                                      kept.revert_to if kept else before.knobs(), lease_s,
+                                      time.monotonic() + lease_s)
         if self.metrics is not None:
             self.metrics.config_changed()
         self._publish()
         return new
+
+    def _confirm_config(self, generation: int) -> EngineConfig:
+        lease = self._lease
+        if lease is None or lease.generation != generation:
+            held = f"generation {lease.generation} is" if lease else "no generation is"
+            raise LeaseConflict(f"generation {generation} is not under lease ({held}; the applied generation is "
+                                f"{self.engine.config.generation})", "generation")
+        self._lease = None
+        self._publish()
+        return self.engine.config
+
+    def _expire_lease(self) -> None:
+        lease = self._lease
+        if lease is None or time.monotonic() < lease.deadline:
+            return
+        self._lease = None
+        self._lease_reverts += 1
+        try:
+            new = self.engine.update_config(**lease.revert_to)
+        except Exception:  # noqa: BLE001 - a config that was applied before should apply again; say so if not
+            logger.exception("could not return to generation %d's config after the lease of generation %d "
+                             "expired", lease.kept_generation, lease.generation)
+        else:
+            logger.warning("the lease of config generation %d expired unconfirmed after %.3g s: back to the "
+                           "knobs of generation %d as generation %d", lease.generation, lease.lease_s,
+                           lease.kept_generation, new.generation)
+            if self.metrics is not None:
+                self.metrics.config_changed()
+        self._publish()
 
     def _check_kv_memory(self, candidate: EngineConfig, knobs: dict[str, Any]) -> None:
         limits = self.engine.limits
@@ -525,8 +605,10 @@ class EngineLoop:
                         n_gaps = n_new - 1
                     else:
                         n_gaps = n_new
+                    gap = now - (tracked.last_token or now)
                     for _ in range(n_gaps):
-                        metrics.itl.observe(now - (tracked.last_token or now))
+                        metrics.itl.observe(gap)
+                        tracked.gaps.append(gap)
                 tracked.num_tokens += n_new
                 if n_new:
                     tracked.last_token = now
@@ -537,6 +619,7 @@ class EngineLoop:
                     del self._tracked[output.request_id]
                     if metrics is not None and output.finish_reason in ("stop", "length"):
                         metrics.e2e.observe(now - tracked.arrival)
+                        metrics.observe_request_itl_p99(tracked.gaps)
             except Exception as error:  # noqa: BLE001 - one request's failure must not fail the others
                 logger.exception("failed to deliver the output of %s", output.request_id)
                 self._fail_request(output.request_id, RequestFailed(f"internal error: {error!r}"))
@@ -601,5 +684,6 @@ class EngineLoop:
             generation_tokens=stats.generation_tokens, preemptions=sched.num_preemptions,
             prefix_cache_queries=sched.prefix_cache_queries, prefix_cache_hits=sched.prefix_cache_hits,
             requests_finished=dict(stats.requests_finished), config=engine.config, limits=engine.limits,
-            max_model_len=engine.max_model_len, last_step=self._last_step)
+            max_model_len=engine.max_model_len, last_step=self._last_step, lease=self._lease,
+            lease_reverts=self._lease_reverts)
 

@@ -103,6 +103,18 @@ class BlockPool:
         block.parent_hash = parent_hash
         self._cached[block_hash] = block_id
 
+    def drop_free_cached(self) -> int:
+        """Forget the cached content of every free block (blocks a sequence holds keep theirs); returns how many."""
+        dropped = [block_id for block_id in self._cached.values() if self.blocks[block_id].ref_count == 0]
+        for block_id in dropped:
+            block = self.blocks[block_id]
+            del self._cached[block.block_hash]  # type: ignore[arg-type]
+            block.block_hash = None
+            block.token_ids = ()
+            block.parent_hash = None
+            self._free.move_to_end(block_id, last=False)  # an empty block is handed out first again
+        return len(dropped)
+
     def reset_prefix_cache(self) -> None:
         for block_id in self._cached.values():
             self.blocks[block_id].block_hash = None
@@ -165,6 +177,10 @@ class KVCacheManager:
         if not enabled:
             self.pool.reset_prefix_cache()
         self.enable_prefix_caching = enabled
+
+    def drop_free_cached(self) -> int:
+        """Empty the prefix cache of every block no sequence holds (so a measurement starts from the same state)."""
+        return self.pool.drop_free_cached()
 
     # Prefix caching ---------------------------------------------------------------------------------------------
     def find_prefix(self, seq: Sequence) -> PrefixMatch:

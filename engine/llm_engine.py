@@ -157,6 +157,11 @@ class LLMEngine:
                 self._pending_outputs.append(self._output(request, [], request.detokenizer.pop_new_text(True)))
             return new
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix block that no running request holds; returns the number dropped."""
+        with self._lock:
+            return self.scheduler.kv.drop_free_cached()
+
     # Stepping ---------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step. Returns an output for every request that produced tokens or finished."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -90,6 +91,10 @@ class _SnapshotCollector:
         for name, value in knob_values(s).items():
             knobs.add_metric([name], value)
         yield knobs
+        yield counter("slotune_config_lease_reverts", "Leased configs the engine reverted by itself (not "
+                      "confirmed in time).", s.lease_reverts)
+        yield gauge("slotune_config_lease_pending", "1 while an applied config waits for its confirmation.",
+                    1.0 if s.lease is not None else 0.0)
         yield gauge("slotune_max_model_len", "Longest prompt + output a request may have.", s.max_model_len)
 
 
@@ -108,6 +113,10 @@ class ServerMetrics:
                            "Gap between two consecutive generated tokens of one request.")
         self.e2e = latency("slotune_e2e_request_latency_seconds",
                            "Arrival to the last token, for requests finished on stop or length.")
+        self.request_itl_p99 = latency("slotune_request_itl_p99_seconds",
+                                       "The 99th percentile of one finished request's own inter-token gaps (0 "
+                                       "with fewer than two tokens): the share at or below a TBT target is the "
+                                       "requests' TBT attainment.")
         self.queue_time = latency("slotune_request_queue_time_seconds",
                                   "Arrival to the start of the step that first scheduled the request.")
         self.step_duration = latency("slotune_step_duration_seconds", "Wall time of one engine step.")
@@ -127,6 +136,9 @@ class ServerMetrics:
             self._prefill_tokens.observe(record.num_prefill_tokens)
         if record.num_decode_tokens:
             self._decode_tokens.observe(record.num_decode_tokens)
+
+    def observe_request_itl_p99(self, gaps: list[float]) -> None:
+        self.request_itl_p99.observe(float(np.percentile(gaps, 99)) if gaps else 0.0)
 
     def config_changed(self) -> None:
         self.config_changes.inc()

@@ -39,7 +39,8 @@ logger = logging.getLogger("slotune.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 KNOWN_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-                         "/debug/steps", "/admin/config"})
+                         "/debug/steps", "/admin/config", "/admin/config/confirm",
+                         "/admin/reset_prefix_cache"})
 
 
 @dataclass
@@ -448,9 +449,21 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings, metrics: Server
     def config_payload(config: EngineConfig) -> dict[str, Any]:
         snapshot = engine_loop.snapshot
         resolved = knob_values(snapshot) if snapshot.config is config else None
+        lease = snapshot.lease if snapshot.config is config else None
         return {"config": config.knobs(), "generation": config.generation,
                 "resolved": {k: resolved[k] for k in ("chunk_size", "num_kv_blocks", "max_model_len")}
-                if resolved else None}
+                if resolved else None,
+                "lease": lease.as_dict() if lease is not None else None}
+
+    def lease_seconds(body: dict[str, Any]) -> float | None:
+        """Take `lease_s` out of a PATCH body: a finite number of seconds > 0, or absent/null."""
+        value = body.pop("lease_s", None)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise HTTPError(422, f"lease_s must be a number of seconds > 0, got {json.dumps(value)}",
+                            "invalid_knob", "lease_s", knob="lease_s", allowed="a number of seconds > 0")
+        return float(value)
 
     @_guarded
     async def admin_config(request: Request) -> Response:
@@ -460,12 +473,29 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings, metrics: Server
         body = await read_json(request)
         if not isinstance(body, dict):
             raise HTTPError(422, "the body must be a JSON object of knobs, e.g. {\"max_num_seqs\": 32}")
+        lease_s = lease_seconds(body)
         try:
-            config = await engine_loop.update_config(body)
+            config = await engine_loop.update_config(body, lease_s)
         except ConfigError as error:
             raise HTTPError(422, str(error), "invalid_knob", error.knob, knob=error.knob, value=error.value,
                             allowed=error.allowed) from None
         return json_response(config_payload(config))
+
+    @_guarded
+    async def admin_confirm(request: Request) -> Response:
+        require_admin(request)
+        body = await read_json(request)
+        generation = body.get("generation") if isinstance(body, dict) else None
+        if isinstance(generation, bool) or not isinstance(generation, int):
+            raise HTTPError(422, "the body must be {\"generation\": N}, the generation of the leased config",
+                            param="generation")
+        return json_response(config_payload(await engine_loop.confirm_config(generation)))
+
+    @_guarded
+    async def admin_reset_prefix_cache(request: Request) -> Response:
+        require_admin(request)
+        dropped = await engine_loop.call(lambda engine: engine.reset_prefix_cache())
+        return json_response({"dropped_blocks": dropped})
 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
@@ -475,6 +505,8 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings, metrics: Server
         Route("/metrics", prometheus, methods=["GET"]),
         Route("/debug/steps", debug_steps, methods=["GET"]),
         Route("/admin/config", admin_config, methods=["GET", "PATCH"]),
+        Route("/admin/config/confirm", admin_confirm, methods=["POST"]),
+        Route("/admin/reset_prefix_cache", admin_reset_prefix_cache, methods=["POST"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     return BodyLimitMiddleware(app, settings.max_body_bytes, metrics)
