@@ -1,0 +1,153 @@
+"""The intervals every deciding figure carries, and the verdicts drawn from them.
+
+- A percentile (p99 TBT of pooled gaps, p99 TTFT of requests) gets a distribution-free interval from the order
+  statistics of its samples: the number of samples below the true q-quantile is Binomial(n, q), so the ranks
+  whose binomial probabilities enclose `level` bound it. With too few samples one side is unbounded (a p99 from
+  150 gaps has no finite upper bound at 95 %: it cannot be shown to meet a target).
+- A share (attainment) gets the Clopper-Pearson interval of its binomial count.
+- A ratio of two configs gets a t interval of the mean log ratio of paired repeats (the same arrival draw for both
+  configs within a repeat), reported back on the ratio scale.
+
+A figure is compared with its target through its interval: "met", "missed", or "undecided" when the interval
+straddles the target. None of this imports torch, locust or optuna.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from scipy import stats
+
+Verdict = Literal["met", "missed", "undecided"]
+DEFAULT_LEVEL = 0.95
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate with its two-sided confidence interval (bounds may be infinite: not bounded by the data)."""
+
+    value: float
+    low: float
+    high: float
+    level: float
+    n: int
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        def finite(x: float) -> float | None:
+            return x if math.isfinite(x) else None
+
+        return {"value": finite(self.value), "low": finite(self.low), "high": finite(self.high),
+                "level": self.level, "n": self.n}
+
+    def contains(self, x: float) -> bool:
+        return self.low <= x <= self.high
+
+    def format(self, unit: str = "", scale: float = 1.0, digits: int = 3) -> str:
+        """``45.2 ms (38.1-51.0)``; an unbounded side reads ``?``."""
+        def f(x: float) -> str:
+            return f"{x * scale:.{digits}g}" if math.isfinite(x) else "?"
+
+        return f"{f(self.value)}{unit} ({f(self.low)}-{f(self.high)})"
+
+
+def quantile_ranks(n: int, q: float, level: float = DEFAULT_LEVEL) -> tuple[int, int]:
+    """1-based ranks (l, u) of the order statistics bounding the q-quantile with probability >= level;
+    l = 0 means no lower bound, u = n + 1 no upper bound."""
+    if n <= 0:
+        return 0, 1
+    alpha = 1.0 - level
+    binom = stats.binom(n, q)
+    # P(X_(l) <= xi_q) = P(B >= l) and P(X_(u) >= xi_q) = P(B <= u - 1), B = #samples below the quantile.
+    low = int(binom.ppf(alpha / 2))  # largest l with P(B < l) <= alpha/2
+    while low > 0 and binom.cdf(low - 1) > alpha / 2:
+        low -= 1
+    high = int(binom.ppf(1 - alpha / 2)) + 1
+    while high <= n and binom.cdf(high - 1) < 1 - alpha / 2:
+        high += 1
+    return low, min(high, n + 1)
+
+
+def quantile_interval(samples: Sequence[float] | np.ndarray, q: float = 0.99,
+                      level: float = DEFAULT_LEVEL) -> Interval:
+    """The q-quantile (numpy's linear interpolation, as the load test's summary) and its order-statistic
+    interval. NaN value and unbounded sides for no samples."""
+    x = np.sort(np.asarray(samples, dtype=float))
+    n = int(x.size)
+    if n == 0:
+        return Interval(math.nan, -math.inf, math.inf, level, 0)
+    lo_rank, hi_rank = quantile_ranks(n, q, level)
+    low = float(x[lo_rank - 1]) if lo_rank >= 1 else -math.inf
+    high = float(x[hi_rank - 1]) if hi_rank <= n else math.inf
+    return Interval(float(np.quantile(x, q)), low, high, level, n)
+
+
+def min_samples_to_bound(q: float = 0.99, level: float = DEFAULT_LEVEL) -> int:
+    """The fewest samples whose largest one is an upper confidence bound of the q-quantile (one-sided, at
+    (1 + level) / 2 as in the two-sided interval): below it no p99 can be shown to meet a target."""
+    alpha = (1.0 - level) / 2
+    return math.ceil(math.log(alpha) / math.log(q))
+
+
+def proportion_interval(successes: int, trials: int, level: float = DEFAULT_LEVEL) -> Interval:
+    """A share with its Clopper-Pearson (exact binomial) interval; NaN and [0, 1] for no trials."""
+    if trials <= 0:
+        return Interval(math.nan, 0.0, 1.0, level, 0)
+    ci = stats.binomtest(successes, trials).proportion_ci(confidence_level=level, method="exact")
+    return Interval(successes / trials, float(ci.low), float(ci.high), level, trials)
+
+
+def upper_verdict(estimate: Interval, target: float) -> Verdict:
+    """A figure that must stay at or below `target` (a latency percentile)."""
+    if estimate.n == 0:
+        return "undecided"
+    if estimate.high <= target:
+        return "met"
+    if estimate.low > target:
+        return "missed"
+    return "undecided"
+
+
+def lower_verdict(estimate: Interval, target: float) -> Verdict:
+    """A figure that must reach `target` (attainment against its share)."""
+    if estimate.n == 0:
+        return "undecided"
+    if estimate.low >= target:
+        return "met"
+    if estimate.high < target:
+        return "missed"
+    return "undecided"
+
+
+def paired_ratio_interval(treatment: Sequence[float], control: Sequence[float],
+                          level: float = DEFAULT_LEVEL) -> Interval:
+    """The ratio treatment/control from paired repeats (pair i measured on the same arrival draw): the geometric
+    mean of the per-pair ratios with a t interval on the log scale. A pair with a zero or missing figure on
+    either side is left out (a ratio to nothing is not a ratio); fewer than two pairs give unbounded sides."""
+    if len(treatment) != len(control):
+        raise ValueError(f"paired figures need the same number of repeats ({len(treatment)} vs {len(control)})")
+    logs = np.array([math.log(t / c) for t, c in zip(treatment, control)
+                     if t is not None and c is not None and t > 0 and c > 0 and math.isfinite(t / c)])
+    n = int(logs.size)
+    if n == 0:
+        return Interval(math.nan, 0.0, math.inf, level, 0)
+    mean = float(logs.mean())
+    if n == 1:
+        return Interval(math.exp(mean), 0.0, math.inf, level, 1)
+    sd = float(logs.std(ddof=1))
+    if sd == 0.0:
+        return Interval(math.exp(mean), math.exp(mean), math.exp(mean), level, n)
+    half = float(stats.t.ppf((1 + level) / 2, n - 1)) * sd / math.sqrt(n)
+    return Interval(math.exp(mean), math.exp(mean - half), math.exp(mean + half), level, n)
+
+
+def ratio_verdict(ratio: Interval) -> Literal["better", "worse", "no difference beyond the noise"]:
+    """Whether a paired ratio's interval excludes 1."""
+    if ratio.n >= 2 and ratio.low > 1.0:
+        return "better"
+    if ratio.n >= 2 and ratio.high < 1.0:
+        return "worse"
+    return "no difference beyond the noise"
