@@ -31,7 +31,7 @@ from loadtest.runner import run_loadtest  # noqa: E402
 from tuner.calibrate import CalibrationPlan, calibrate  # noqa: E402
 from tuner.engine_handle import ManagedEngine  # noqa: E402
 from tuner.simulator import simulate_load  # noqa: E402
-from tuner.simulator_cli import limits_of  # noqa: E402
+from tuner.simulator import limits_of  # noqa: E402
 from tuner.step_time_model import StepTimeModel  # noqa: E402
 
 TRACE = "/work/shared/traces/azure2023/AzureLLMInferenceTrace_conv.csv"

@@ -25,7 +25,7 @@ from loadtest.summary import SLO  # noqa: E402
 from policies import default_policy_path, load_policy  # noqa: E402
 from tuner.screening import screen  # noqa: E402
 from tuner.simulator import simulate_load  # noqa: E402
-from tuner.simulator_cli import limits_of  # noqa: E402
+from tuner.simulator import limits_of  # noqa: E402
 from tuner.simulator_trial import SimTrialRunner  # noqa: E402
 from tuner.step_time_model import StepTimeModel  # noqa: E402
 

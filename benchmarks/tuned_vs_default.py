@@ -30,7 +30,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from loadtest.durations import format_duration, parse_duration  # noqa: E402
+from slotune.units import format_duration, parse_duration  # noqa: E402
 from policies import WorkloadSpec  # noqa: E402
 from tuner.engine_handle import ManagedEngine  # noqa: E402
 from tuner.trial_runner import TrialRunner  # noqa: E402

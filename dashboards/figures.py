@@ -13,6 +13,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from engine.knobs import axis_label
 from dashboards.analysis import Knee, find_knee, pareto_front
 from dashboards.engine_client import HistogramBuckets
 from dashboards.results import Sweep
@@ -94,7 +95,7 @@ def sweep_curves_figure(sweep: Sweep) -> go.Figure:
                  if knee else "no knee in this range")
     fig.update_layout(template=TEMPLATE, height=620, margin={"t": 90},
                       title={"text": f"sweep of {sweep.knob}{kind}<br><sup>{knee_text}</sup>"})
-    fig.update_xaxes(title_text=sweep.knob, type="log" if sweep.numeric and _log_spaced(x) else "-")
+    fig.update_xaxes(title_text=axis_label(sweep.knob), type="log" if sweep.numeric and _log_spaced(x) else "-")
     return fig
 
 

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from engine.knobs import KNOB_BY_NAME
 from engine.step_record import StepRecord
 
 if TYPE_CHECKING:
@@ -27,8 +28,6 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03,
                    0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
-# Knobs whose values are names: exported as the index into these tuples.
-ENUM_KNOBS = {"preemption_mode": ("recompute", "swap"), "scheduling_policy": ("fcfs", "priority")}
 
 
 def knob_values(snapshot: EngineSnapshot) -> dict[str, float]:
@@ -36,12 +35,8 @@ def knob_values(snapshot: EngineSnapshot) -> dict[str, float]:
     config, limits = snapshot.config, snapshot.limits
     values: dict[str, float] = {}
     for name, value in config.knobs().items():
-        if name in ENUM_KNOBS:
-            values[name] = float(ENUM_KNOBS[name].index(value)) if value in ENUM_KNOBS[name] else -1.0
-        elif isinstance(value, bool):
-            values[name] = 1.0 if value else 0.0
-        elif value is not None:
-            values[name] = float(value)
+        if value is not None:  # a name knob as the index of its choice (engine.knobs)
+            values[name] = KNOB_BY_NAME[name].as_number(value)
     values["chunk_size"] = float(config.max_chunk())
     values["num_kv_blocks"] = float(config.resolved_num_kv_blocks(limits))
     values["max_model_len"] = float(config.resolved_max_model_len(limits))

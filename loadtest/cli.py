@@ -17,7 +17,7 @@ import sys
 import time
 
 from loadtest.config import OPTIONS, LoadConfig
-from loadtest.durations import format_duration
+from slotune.units import format_duration
 from loadtest.summary import format_summary_table
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from loadtest.arrivals import KINDS
-from loadtest.durations import parse_duration
+from slotune.units import parse_duration
 from loadtest.tokens import TokenSpace
 from loadtest.workloads import DEFAULT_MIX, DEFAULT_MIX_WEIGHTS
 

@@ -28,7 +28,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from loadtest.durations import format_duration
+from slotune.units import format_duration
 from loadtest.records import RequestRecord, from_frame, read_records
 
 

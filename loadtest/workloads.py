@@ -17,7 +17,6 @@ from __future__ import annotations
 import csv
 import itertools
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from datetime import datetime, timezone

@@ -156,7 +156,7 @@ def test_lag_warning_and_table(records):
 
 
 def test_summary_imports_without_locust_or_gevent():
-    code = ("import sys, loadtest.summary, loadtest.records, loadtest.schedule, loadtest.durations, loadtest.runner; "
+    code = ("import sys, loadtest.summary, loadtest.records, loadtest.schedule, slotune.units, loadtest.runner; "
             "bad = [m for m in ('locust', 'gevent', 'engine', 'torch') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

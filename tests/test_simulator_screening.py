@@ -108,7 +108,7 @@ def test_the_screens_simulator_runs_at_the_speed_the_engine_just_measured(tmp_pa
     import optuna
 
     from tuner.engine_handle import EngineHandle
-    from tuner.simulator_cli import profile_path
+    from tuner.simulator import profile_path
     from tuner.trial_runner import TrialRunner
 
     profile = StepTimeModel.load(profile_path(None))

@@ -13,7 +13,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from loadtest.durations import format_duration
+from slotune.units import format_duration
 from policies import Policy
 from tuner.engine_handle import EngineError, EngineHandle, ManagedEngine
 from tuner.output import short_knobs, write_report, write_tuned_yaml, write_vllm
