@@ -23,16 +23,16 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from engine.config import EngineConfig  # noqa: E402
-from loadtest.config import LoadConfig  # noqa: E402
-from loadtest.runner import run_loadtest  # noqa: E402
-from tuner.calibrate import CalibrationPlan, calibrate  # noqa: E402
-from tuner.engine_handle import ManagedEngine  # noqa: E402
-from tuner.simulator import simulate_load  # noqa: E402
-from tuner.simulator import limits_of  # noqa: E402
-from tuner.step_time_model import StepTimeModel  # noqa: E402
+from engine.config import EngineConfig
+from loadtest.config import LoadConfig
+from loadtest.runner import run_loadtest
+from tuner.calibrate import CalibrationPlan, calibrate
+from tuner.engine_handle import ManagedEngine
+from tuner.simulator import simulate_load
+from tuner.simulator import limits_of
+from tuner.step_time_model import StepTimeModel
 
 TRACE = "/work/shared/traces/azure2023/AzureLLMInferenceTrace_conv.csv"
 CODE_TRACE = "/work/shared/traces/azure2023/AzureLLMInferenceTrace_code.csv"

@@ -20,14 +20,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from loadtest.config import LoadConfig  # noqa: E402
-from loadtest.summary import SLO  # noqa: E402
-from policies import default_policy_path, load_policy  # noqa: E402
-from tuner.screening import screen  # noqa: E402
-from tuner.simulator import simulate_load  # noqa: E402
-from tuner.simulator import limits_of  # noqa: E402
-from tuner.simulator_trial import SimTrialRunner  # noqa: E402
-from tuner.step_time_model import StepTimeModel  # noqa: E402
+from loadtest.config import LoadConfig
+from loadtest.summary import SLO
+from policies import default_policy_path, load_policy
+from tuner.screening import screen
+from tuner.simulator import simulate_load
+from tuner.simulator import limits_of
+from tuner.simulator_trial import SimTrialRunner
+from tuner.step_time_model import StepTimeModel
 
 TRACE = "/work/shared/traces/azure2023/AzureLLMInferenceTrace_conv.csv"
 KNOBS = {"max_num_seqs": 16, "max_num_batched_tokens": 256, "chunk_size": 64, "block_size": 16}

@@ -30,10 +30,10 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from slotune.units import format_duration, parse_duration  # noqa: E402
-from policies import WorkloadSpec  # noqa: E402
-from tuner.engine_handle import ManagedEngine  # noqa: E402
-from tuner.trial_runner import TrialRunner  # noqa: E402
+from slotune.units import format_duration, parse_duration
+from policies import WorkloadSpec
+from tuner.engine_handle import ManagedEngine
+from tuner.trial_runner import TrialRunner
 
 UNTUNED = {"max_num_seqs": 128, "max_num_batched_tokens": 2048, "block_size": 16, "chunk_size": None,
            "prefill_token_ratio": 1.0}

@@ -123,7 +123,7 @@ class ServerMetrics:
         self.config_changes = Counter("slotune_config_updates", "Live config updates applied.", registry=r)
         self.http_responses = Counter("slotune_http_responses", "HTTP responses by path and status code.",
                                       ["path", "code"], registry=r)
-        r.register(_SnapshotCollector(snapshot))  # type: ignore[arg-type]
+        r.register(_SnapshotCollector(snapshot))
 
     def observe_step(self, record: StepRecord) -> None:
         self.step_duration.observe(record.total_s)

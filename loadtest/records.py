@@ -109,7 +109,7 @@ def write_records(path: str, records: Iterable[RequestRecord], meta: dict | None
     import pyarrow.parquet as pq
 
     schema = _arrow_schema()
-    cols = {c: [] for c in COLUMNS}
+    cols: dict[str, list[Any]] = {c: [] for c in COLUMNS}
     for r in rows:
         d = r.to_dict()
         for c in COLUMNS:

@@ -140,5 +140,7 @@ def test_client_p99_tbt_matches_the_engine_itl_histogram(server, tmp_path):
     les = sorted(delta)
     assert delta[les[-1]] == s["tbt_gaps"]  # the engine counted as many gaps as the client measured
     engine_p99 = histogram_quantile(0.99, delta)
-    bucket = lambda x: next(i for i, le in enumerate(les) if x <= le)  # noqa: E731
+    def bucket(x: float) -> int:
+        return next(i for i, le in enumerate(les) if x <= le)
+
     assert abs(bucket(s["tbt_p99"]) - bucket(engine_p99)) <= 1, (s["tbt_p99"], engine_p99, les)

@@ -167,7 +167,7 @@ def test_500_requests_with_a_third_disconnected(server: SubprocessServer) -> Non
             return await asyncio.gather(*(one(http, *plan) for plan in plans))
 
     results = asyncio.run(run())
-    for (prompt, n, leave), result in zip(plans, results):
+    for (_prompt, n, leave), result in zip(plans, results):
         if leave is None:
             assert result is not None and result["status"] == 200, result
             assert result["done"] and len(result["texts"]) == n

@@ -4,6 +4,7 @@ of a policy's workload (``tune`` and ``slotune sweep``)."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from policies import Policy
 from slotune.units import parse_duration
@@ -30,7 +31,7 @@ def check_workload(policy: Policy) -> None:
     from loadtest.schedule import build_schedule
 
     w = policy.workload
-    extra = {k: v for k, v in (("mix", w.mix), ("mix_weights", w.mix_weights)) if v}
+    extra: dict[str, Any] = {k: v for k, v in (("mix", w.mix), ("mix_weights", w.mix_weights)) if v}
     try:
         build_schedule(LoadConfig(workload=w.name, rate=policy.rate or 1.0, duration=policy.trial_duration,
                                   length_scale=w.length_scale, time_scale=w.time_scale, max_context=w.max_context,

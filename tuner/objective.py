@@ -91,7 +91,7 @@ def evaluate_capacity(runner: TrialRunner, knobs: dict[str, Any], out_dir: Path,
     rate = runner.rate
     best: TrialOutcome | None = None
     last: TrialOutcome | None = None
-    record = []
+    record: list[dict[str, Any]] = []
     for i in range(probes):
         o = runner.run(knobs, out_dir / f"probe-{i}", rate=rate)
         att = o.summary.get("attainment") if o.summary else None

@@ -69,7 +69,7 @@ class TuneSession:
         if self.handle is not None and self.original_config is not None and not self.applied:
             try:  # a given engine gets back the config it had before the study
                 self.handle.patch_config(self.original_config)
-            except Exception:  # noqa: BLE001 - best effort on the way out
+            except Exception:  # best effort on the way out
                 pass
         if self.managed is not None:
             self.managed.stop()

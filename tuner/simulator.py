@@ -208,9 +208,9 @@ def simulate(requests: list[RequestSpec], config: EngineConfig, timer: StepTimer
         # Clients that gave up on a request that never produced a token: the engine aborts it.
         while deadlines and deadlines[0][0] <= t:
             _, j = deadlines.popleft()
-            seq = seq_of[j]
-            if seq is not None and not seq.status.finished and not times[seq]:
-                sched.abort(seq.request_id)
+            given_up = seq_of[j]
+            if given_up is not None and not given_up.status.finished and not times[given_up]:
+                sched.abort(given_up.request_id)
                 errors[j] = f"timeout: nothing received for {options.request_timeout:g}s"
         if t > end_time:
             break

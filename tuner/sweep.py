@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         if handle is not None and original is not None:
             try:
                 handle.patch_config(original)
-            except Exception as error:  # noqa: BLE001 - report, the sweep's results are already written
+            except Exception as error:  # report, the sweep's results are already written
                 print(f"{PROG}: could not restore the engine's config: {error}", file=sys.stderr)
     print(f"wrote {plan.out / 'sweep.json'}; see it with: slotune dashboard --results {plan.out.parent}")
     return 0
