@@ -11,7 +11,7 @@ medians over rounds) and writes it with the raw figures to ``--out``.
     python benchmarks/tuned_vs_default.py --out bench-tuned --slo-p99-tbt 100ms --rate 3
     python benchmarks/tuned_vs_default.py --out bench-tuned --skip-tune   # re-measure the tuned.yaml files there
 
-Target (issue 5): tuned goodput >= 1.5x the untuned one, with the tuned p99 TBT within the SLO.
+Target: tuned goodput >= 1.5x the untuned one, with the tuned p99 TBT within the SLO.
 """
 
 from __future__ import annotations

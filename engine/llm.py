@@ -1,4 +1,4 @@
-"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))`, as later issues and the checks call it."""
+"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))`, the same call as vLLM's."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The server's Prometheus metrics (names fixed in DESIGN.md, "Metrics").
+"""The server's Prometheus metrics (names and buckets: docs/architecture.md, "Metrics").
 
 Latency histograms are observed by the engine thread where tokens are produced; gauges and the counters that
 mirror the engine's own totals (tokens, preemptions, prefix cache, finished requests) are read from the latest

@@ -63,7 +63,6 @@ OPTIONS: list[Option] = [
     Option("out", "", "directory for records and summary (default loadtest-results/<time>)"),
     Option("records-format", "parquet", "records table format: parquet or csv"),
 ]
-OPTION_BY_FIELD = {o.field: o for o in OPTIONS}
 
 
 def _opt(conv: Callable[[str], Any]) -> Callable[[Any], Any]:

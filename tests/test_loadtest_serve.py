@@ -1,5 +1,5 @@
-"""The load generator against the real engine server (`slotune serve`, default model): the acceptance checks of
-issue 4 that need the engine. Slow (model load, a CPU engine): run with `python -m pytest -m slow`.
+"""The load generator against the real engine server (`slotune serve`, default model): the load generator's checks
+that need the engine. Slow (model load, a CPU engine): run with `python -m pytest -m slow`.
 
 - a trace replay at >= 20 requests/s keeps the generator's send lag p99 under 10 ms (with --realtime, which this
   test asks for: the engine saturates this machine's CPUs);

@@ -16,7 +16,7 @@ from tuner.trial_runner import TrialOutcome, TrialRunner
 
 CONSTRAINTS_ATTR = "constraints"  # the user attr constraints_func reads (Optuna stores its result in system attrs)
 FAILED_VIOLATION = 1.0  # seconds: what a trial with no measurement violates each target by
-CAPACITY_ATTAINMENT = 0.9  # DESIGN.md: capacity = the highest rate with attainment >= 90 %
+CAPACITY_ATTAINMENT = 0.9  # capacity (DistServe's definition) = the highest rate with attainment >= 90 %
 
 
 def suggest_knobs(trial: optuna.Trial, policy: Policy) -> dict[str, Any]:

@@ -4,7 +4,7 @@ times from a calibrated profile). Writes a trial folder (records.parquet, summar
 
     slotune simulate --max-num-seqs 8 --max-num-batched-tokens 128 --workload mixed --length-scale 0.125 \
         --rate 2 --duration 5m --slo-p99-tbt 50ms --out sim/mixed
-    slotune simulate --config tuned.yaml --workload ../shared/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
+    slotune simulate --config tuned.yaml --workload traces/azure2023/AzureLLMInferenceTrace_conv.csv \
         --rate 1 --length-scale 0.125 --max-context 2048 --duration 1h --profile profile.json --out sim/conv
 """
 

@@ -11,7 +11,6 @@ config (enqueued as the first trial) is measured once.
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import threading
@@ -387,6 +386,3 @@ def study_name_for(policy: Policy, rate: float | None) -> str:
     r = "auto" if rate is None else f"{rate:g}rps"
     return f"tune-{wl}-x{policy.workload.length_scale:g}-tbt{policy.slo.tbt_p99 * 1000:g}ms-{r}-{policy.objective}"
 
-
-def is_finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)
