@@ -38,11 +38,11 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per engine knob (`--max-num-seqs 32`, ...), all defaulting to "leave as configured"."""
     group = parser.add_argument_group("engine knobs")
     for knob in KNOBS:
-        unit = f" ({knob.unit})" if knob.unit else ""
-        auto = "; none: auto" if knob.optional else ""
+        unit = f", in {knob.unit}" if knob.unit else ""
+        default = "none" if knob.default is None else knob.default
         # SUPPRESS: an absent flag leaves the knob as configured, while `--chunk-size none` sets it to None.
         group.add_argument(knob.flag, dest=knob.name, type=_flag_type(knob), default=argparse.SUPPRESS,
-                           choices=knob.choices, help=f"{knob.help}{unit}{auto}; default: {knob.default}")
+                           choices=knob.choices, help=f"{knob.help}{unit}; default: {default}")
 
 
 def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
