@@ -29,7 +29,6 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03,
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
-
 def knob_values(snapshot: EngineSnapshot) -> dict[str, float]:
     """Every knob as a number, with 'auto' values resolved (what the engine actually uses)."""
     config, limits = snapshot.config, snapshot.limits
