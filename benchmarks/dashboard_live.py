@@ -15,9 +15,9 @@ import plotly.io as pio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dashboards.engine_client import HistogramBuckets  # noqa: E402
-from dashboards.figures import itl_histogram_figure, step_timeline_figure  # noqa: E402
-from tests.dashboard_data import step_records  # noqa: E402
+from dashboards.engine_client import HistogramBuckets
+from dashboards.figures import itl_histogram_figure, step_timeline_figure
+from tests.dashboard_data import step_records
 
 POLL_INTERVAL_S = 2.0
 

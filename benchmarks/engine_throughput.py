@@ -113,7 +113,7 @@ def class_counts(n: int) -> dict[str, int]:
 
 
 def class_bounds(scale: float) -> dict[str, tuple[int, int, int, int]]:
-    return {k: tuple(max(1, round(v * scale)) for v in b) for k, b in CLASSES.items()}  # type: ignore[misc]
+    return {k: tuple(max(1, round(v * scale)) for v in b) for k, b in CLASSES.items()}
 
 
 def make_workload(n: int, seed: int, scale: float, vocab_size: int) -> list[Request]:

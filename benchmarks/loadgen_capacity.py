@@ -31,9 +31,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from loadtest.config import LoadConfig  # noqa: E402
-from loadtest.records import read_records  # noqa: E402
-from loadtest.runner import run_loadtest  # noqa: E402
+from loadtest.config import LoadConfig
+from loadtest.records import read_records
+from loadtest.runner import run_loadtest
 
 
 def start_stub(interval: float, realtime: bool) -> tuple[subprocess.Popen, str]:
@@ -106,7 +106,9 @@ def one(url: str, streams: int, tokens: int, interval: float, duration: float, r
     gap_diff = np.concatenate(gap_diff) if gap_diff else np.zeros(0)
     # the steady state: requests scheduled after the first lifetime, before the last one
     steady = [r for r in recs if lifetime <= r.scheduled_at < duration - lifetime]
-    pct = lambda a, q: float(np.percentile(a, q)) if a.size else None  # noqa: E731
+    def pct(a: np.ndarray, q: float) -> float | None:
+        return float(np.percentile(a, q)) if a.size else None
+
     return {
         "streams": streams, "tokens_per_s": streams / interval, "rate_rps": rate, "requests": s["requests"],
         "completed": s["completed"], "failed": s["failed"], "unfinished": s["unfinished"],
@@ -150,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                     row["failed"] == 0 and row["unfinished"] == 0 and row["timing_error_p99"] is not None
                     and row["timing_error_p99"] <= a.max_error and (row["send_lag_p99"] or 0) <= 0.010)
                 rows.append(row)
-                ms = lambda v: "-" if v is None else f"{v * 1e3:.2f}"  # noqa: E731
+                def ms(v: float | None) -> str:
+                    return "-" if v is None else f"{v * 1e3:.2f}"
+
                 print(f"streams {c:5d}  tokens/s {row['tokens_per_s']:6.0f}  send lag p99 {ms(row['send_lag_p99']):>6}ms  "
                       f"token timing error p50/p99/max {ms(row['timing_error_p50'])}/{ms(row['timing_error_p99'])}/"
                       f"{ms(row['timing_error_max'])}ms  gap error p99 {ms(row['gap_error_p99'])}ms  "

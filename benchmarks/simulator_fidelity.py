@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -23,19 +24,21 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from engine.config import EngineConfig  # noqa: E402
-from loadtest.config import LoadConfig  # noqa: E402
-from loadtest.runner import run_loadtest  # noqa: E402
-from tuner.calibrate import CalibrationPlan, calibrate  # noqa: E402
-from tuner.engine_handle import ManagedEngine  # noqa: E402
-from tuner.simulator import simulate_load  # noqa: E402
-from tuner.simulator_cli import limits_of  # noqa: E402
-from tuner.step_time_model import StepTimeModel  # noqa: E402
+from engine.config import EngineConfig
+from loadtest.config import LoadConfig
+from loadtest.runner import run_loadtest
+from tuner.calibrate import CalibrationPlan, calibrate
+from tuner.engine_handle import ManagedEngine
+from tuner.simulator import simulate_load
+from tuner.simulator import limits_of
+from tuner.step_time_model import StepTimeModel
 
-TRACE = "/work/shared/traces/azure2023/AzureLLMInferenceTrace_conv.csv"
-CODE_TRACE = "/work/shared/traces/azure2023/AzureLLMInferenceTrace_code.csv"
+# trace workloads, relative to --traces
+TRACE = "azure2023/AzureLLMInferenceTrace_conv.csv"
+CODE_TRACE = "azure2023/AzureLLMInferenceTrace_code.csv"
+DEFAULT_TRACES = os.environ.get("SLOTUNE_TRACES", "traces")
 # (name, knobs, load options): none of these configs or workloads is in the calibration plan.
 CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("mixed x0.125, 6 seqs / 96 tok", {"max_num_seqs": 6, "max_num_batched_tokens": 96, "chunk_size": 48,
@@ -139,6 +142,8 @@ def real_steps_of(out: Path, n: int, knobs: dict[str, Any]) -> list[dict[str, An
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
+    p.add_argument("--traces", default=DEFAULT_TRACES, help="folder of the Azure traces (default: $SLOTUNE_TRACES, "
+                   "else ./traces)")
     p.add_argument("--profile", default=None, help="use this profile instead of calibrating")
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--seconds-per-config", type=float, default=30.0)
@@ -152,9 +157,11 @@ def main() -> int:
     p.add_argument("--resimulate", action="store_true",
                    help="no engine: simulate again (with --profile) against the real runs already in --out")
     args = p.parse_args()
+    cases = [(name, knobs, {**load, "workload": str(Path(args.traces) / load["workload"])}
+              if load.get("workload", "mixed") != "mixed" else load) for name, knobs, load in CASES]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    numbered = list(enumerate(CASES))
+    numbered = list(enumerate(cases))
     if args.cases:
         numbered = [numbered[int(i) - 1] for i in args.cases.split(",")]
     warnings.simplefilter("ignore")  # extrapolation is listed in each row's sim_warnings
@@ -164,7 +171,7 @@ def main() -> int:
         rescaled = None
         if args.rescale_on is not None:
             on = args.rescale_on - 1
-            rescaled = model.rescaled(real_steps_of(out, on, CASES[on][1]))
+            rescaled = model.rescaled(real_steps_of(out, on, cases[on][1]))
             if rescaled is None:
                 p.error(f"--rescale-on {args.rescale_on}: that case has too few real steps in {out}")
             print(f"profile rescaled x{rescaled.meta['rescaled']['scale']:.3f} to case {args.rescale_on}'s "

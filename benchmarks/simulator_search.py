@@ -18,13 +18,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from loadtest.durations import parse_duration  # noqa: E402
-from loadtest.summary import SLO  # noqa: E402
-from policies import default_policy_path, load_policy  # noqa: E402
-from tuner.search_comparison import METHODS, compare, plot  # noqa: E402
-from tuner.simulator_cli import limits_of  # noqa: E402
-from tuner.simulator_trial import SimTrialRunner  # noqa: E402
-from tuner.step_time_model import StepTimeModel  # noqa: E402
+from slotune.units import parse_duration
+from loadtest.summary import SLO
+from policies import default_policy_path, load_policy
+from tuner.search_comparison import METHODS, compare, plot
+from tuner.simulator import limits_of
+from tuner.simulator_trial import SimTrialRunner
+from tuner.step_time_model import StepTimeModel
 
 
 def main() -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import sys
 import time
@@ -20,22 +21,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from loadtest.config import LoadConfig  # noqa: E402
-from loadtest.summary import SLO  # noqa: E402
-from policies import default_policy_path, load_policy  # noqa: E402
-from tuner.screening import screen  # noqa: E402
-from tuner.simulator import simulate_load  # noqa: E402
-from tuner.simulator_cli import limits_of  # noqa: E402
-from tuner.simulator_trial import SimTrialRunner  # noqa: E402
-from tuner.step_time_model import StepTimeModel  # noqa: E402
+from loadtest.config import LoadConfig
+from loadtest.summary import SLO
+from policies import default_policy_path, load_policy
+from tuner.screening import screen
+from tuner.simulator import simulate_load
+from tuner.simulator import limits_of
+from tuner.simulator_trial import SimTrialRunner
+from tuner.step_time_model import StepTimeModel
 
-TRACE = "/work/shared/traces/azure2023/AzureLLMInferenceTrace_conv.csv"
+TRACE = os.path.join(os.environ.get("SLOTUNE_TRACES", "traces"), "azure2023", "AzureLLMInferenceTrace_conv.csv")
 KNOBS = {"max_num_seqs": 16, "max_num_batched_tokens": 256, "chunk_size": 64, "block_size": 16}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", default=str(REPO / "tuner" / "default_profile.json"))
+    p.add_argument("--trace", default=TRACE, help="the Azure conversation trace (default: under $SLOTUNE_TRACES, "
+                   "else ./traces)")
     p.add_argument("--rate", type=float, default=1.0, help="the trace's mean rate rescaled to this (req/s)")
     p.add_argument("--length-scale", type=float, default=0.125)
     p.add_argument("--repeat", type=int, default=3)
@@ -55,10 +58,10 @@ def main() -> int:
         model.token_latency_s /= args.speedup
     limits = limits_of(model)
     if args.full_trace:
-        cfg = LoadConfig(workload=TRACE, time_scale=1.0, duration=4000, length_scale=args.length_scale,
+        cfg = LoadConfig(workload=args.trace, time_scale=1.0, duration=4000, length_scale=args.length_scale,
                          max_context=2048, slo_p99_tbt=0.15)
     else:
-        cfg = LoadConfig(workload=TRACE, rate=args.rate, duration=3600, length_scale=args.length_scale,
+        cfg = LoadConfig(workload=args.trace, rate=args.rate, duration=3600, length_scale=args.length_scale,
                          max_context=2048, slo_p99_tbt=0.15)
     warnings.simplefilter("ignore")
     best = best_cpu = float("inf")

@@ -11,7 +11,7 @@ medians over rounds) and writes it with the raw figures to ``--out``.
     python benchmarks/tuned_vs_default.py --out bench-tuned --slo-p99-tbt 100ms --rate 3
     python benchmarks/tuned_vs_default.py --out bench-tuned --skip-tune   # re-measure the tuned.yaml files there
 
-Target (issue 5): tuned goodput >= 1.5x the untuned one, with the tuned p99 TBT within the SLO.
+Target: tuned goodput >= 1.5x the untuned one, with the tuned p99 TBT within the SLO.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from loadtest.durations import format_duration, parse_duration  # noqa: E402
-from policies import WorkloadSpec  # noqa: E402
-from tuner.engine_handle import ManagedEngine  # noqa: E402
-from tuner.trial_runner import TrialRunner  # noqa: E402
+from slotune.units import format_duration, parse_duration
+from policies import WorkloadSpec
+from tuner.engine_handle import ManagedEngine
+from tuner.trial_runner import TrialRunner
 
 UNTUNED = {"max_num_seqs": 128, "max_num_batched_tokens": 2048, "block_size": 16, "chunk_size": None,
            "prefill_token_ratio": 1.0}

@@ -1,1 +1,1 @@
-"""slotune's dashboards package (see ../shared/DESIGN.md)."""
+"""slotune's dashboards package (docs/architecture.md)."""

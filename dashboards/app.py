@@ -20,7 +20,7 @@ from dashboards.results import (FormatError, find_folders, in_window, load_sweep
 from dashboards.study import StudyUnavailable, TrialRow, load_study, open_storage, study_names
 
 PAGES = [("/curves", "Curves"), ("/study", "Study"), ("/live", "Live"), ("/trial", "Trial detail")]
-GRAPH_CONFIG = {"displaylogo": False}
+GRAPH_CONFIG: Any = {"displaylogo": False}  # dcc.Graph's config type
 STUDY_REFRESH_S = 15
 
 
@@ -190,7 +190,7 @@ def live_page(settings: DashboardSettings) -> html.Div:
 
 def live_update(feed: LiveFeed | None) -> tuple[Any, Any, Any, Any]:
     if feed is None:
-        return (figures.empty_figure("no engine"),) * 2 + ("", "")  # type: ignore[return-value]
+        return (figures.empty_figure("no engine"),) * 2 + ("", "")
     try:
         snap = feed.poll()
     except EngineUnreachable as error:
@@ -213,12 +213,13 @@ def trial_page(settings: DashboardSettings, query: dict[str, str]) -> html.Div:
     title = html.H2("Trial detail")
     folder = query.get("dir")
     if not folder:
-        found = find_folders(settings.results, "trial.json") if settings.results else []
-        if not found:
+        results = settings.results
+        found = find_folders(results, "trial.json") if results else []
+        if results is None or not found:
             return html.Div([title, notice("no trial chosen: open one from the Study or Curves page "
                                            "(or /trial?dir=FOLDER)", "trial-empty")])
         return html.Div([title, html.P("trial folders under the results folder:"),
-                         html.Ul([html.Li(html.A(str(f.relative_to(settings.results)), href=trial_href(f.resolve())))
+                         html.Ul([html.Li(html.A(str(f.relative_to(results)), href=trial_href(f.resolve())))
                                   for f in found], id="trial-list")])
     try:
         trial = load_trial(folder)
@@ -242,7 +243,7 @@ def trial_page(settings: DashboardSettings, query: dict[str, str]) -> html.Div:
 
 # The app --------------------------------------------------------------------------------------------------------
 def create_app(settings: DashboardSettings) -> Dash:
-    app = Dash(__name__, title="slotune", suppress_callback_exceptions=True, update_title=None)
+    app = Dash(__name__, title="slotune", suppress_callback_exceptions=True, update_title="")
     feed = (LiveFeed(EngineClient(settings.engine_url, settings.admin_token))
             if settings.engine_url is not None else None)
     app.layout = html.Div([

@@ -15,6 +15,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.knobs import KNOB_BY_NAME
+
 ITL_METRIC = "slotune_inter_token_latency_seconds"
 TIMEOUT_S = 3.0
 DEFAULT_KEEP_STEPS = 1000
@@ -172,7 +174,7 @@ class LiveFeed:
             knobs, generation, source = dict(config.get("config") or {}), config.get("generation"), "admin"
         else:
             gauges = parse_gauges(text, "slotune_config_generation", "")
-            knobs = {k: (int(v) if float(v).is_integer() else v)
+            knobs = {k: KNOB_BY_NAME[k].from_number(v) if k in KNOB_BY_NAME else v
                      for k, v in parse_gauges(text, "slotune_knob", "name").items()}
             generation = int(gauges[""]) if "" in gauges else None
             source = "metrics"

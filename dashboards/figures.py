@@ -13,6 +13,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from engine.knobs import axis_label
 from dashboards.analysis import Knee, find_knee, pareto_front
 from dashboards.engine_client import HistogramBuckets
 from dashboards.results import Sweep
@@ -94,7 +95,7 @@ def sweep_curves_figure(sweep: Sweep) -> go.Figure:
                  if knee else "no knee in this range")
     fig.update_layout(template=TEMPLATE, height=620, margin={"t": 90},
                       title={"text": f"sweep of {sweep.knob}{kind}<br><sup>{knee_text}</sup>"})
-    fig.update_xaxes(title_text=sweep.knob, type="log" if sweep.numeric and _log_spaced(x) else "-")
+    fig.update_xaxes(title_text=axis_label(sweep.knob), type="log" if sweep.numeric and _log_spaced(x) else "-")
     return fig
 
 
@@ -188,7 +189,9 @@ def step_timeline_figure(steps: Sequence[dict[str, Any]], wall_clock: bool = Fal
     # numpy arrays travel to the browser as compact base64 typed arrays (a poll of 1000 steps stays small)
     start = np.array([s["start_time"] for s in steps], dtype=float)
     x = start * 1000.0 if wall_clock else start - start[0]  # a date axis reads numbers as epoch milliseconds
-    col = lambda k: np.array([s.get(k, 0) for s in steps], dtype=float)  # noqa: E731
+    def col(k: str) -> np.ndarray:
+        return np.array([s.get(k, 0) for s in steps], dtype=float)
+
     used, free = col("kv_blocks_used"), col("kv_blocks_free")
     usage = np.divide(used, used + free, out=np.zeros_like(used), where=(used + free) > 0)
     # a NaN point after each step followed by idle time: plotly does not connect across it
@@ -251,8 +254,9 @@ def request_distributions_figure(records: Sequence[Any], slo: dict[str, float | 
                                opacity=0.6), row=1, col=2)
     if slo.get("ttft_p99") is not None:
         fig.add_vline(x=slo["ttft_p99"], line={"color": SLO_COLOR, "dash": "dash"}, row=1, col=1)
-    if slo.get("tbt_p99") is not None:
-        fig.add_vline(x=slo["tbt_p99"] * 1000.0, line={"color": SLO_COLOR, "dash": "dash"}, row=1, col=2,
+    tbt_p99 = slo.get("tbt_p99")
+    if tbt_p99 is not None:
+        fig.add_vline(x=tbt_p99 * 1000.0, line={"color": SLO_COLOR, "dash": "dash"}, row=1, col=2,
                       annotation_text="SLO")
     fig.update_layout(template=TEMPLATE, height=380, barmode="overlay", title="request latencies")
     return fig

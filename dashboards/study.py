@@ -1,6 +1,6 @@
 """Reading the tuner's Optuna studies (read-only: the dashboard never creates a storage or a study).
 
-Trials carry the user attrs the tuner writes (DESIGN: "knobs", "summary", "step_stats", "feasible", "reason",
+Trials carry the user attrs the tuner writes ("knobs", "summary", "step_stats", "feasible", "reason",
 "trial_dir", "simulated"); feasibility falls back to Optuna's "constraints" system attr (all <= 0: feasible)."""
 
 from __future__ import annotations

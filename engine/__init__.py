@@ -6,7 +6,7 @@ from engine.sampling_params import RequestOutput, SamplingParams
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "EngineConfig", "ConfigError"]
 
 
-def __getattr__(name: str):  # type: ignore[no-untyped-def]
+def __getattr__(name: str) -> type:
     # Torch-backed classes load lazily, so the scheduler and KV-cache bookkeeping import without torch.
     if name == "LLM":
         from engine.llm import LLM

@@ -4,12 +4,13 @@ engine-starting command shares."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
-from typing import Any, get_args
+from collections.abc import Callable
+from typing import Any
 
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError
+from engine.knobs import KNOB_NAMES, KNOBS, Knob
 from engine.sampling_params import RequestOutput, SamplingParams
 
 DEFAULT_PROMPTS = [
@@ -22,43 +23,30 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def _parse_bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+def _flag_type(knob: Knob) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return knob.parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
 
-
-def _optional_int(text: str) -> int | None:
-    return None if text.lower() in ("none", "auto", "") else int(text)
+    parse.__name__ = knob.type.__name__  # argparse names the type in its "invalid ... value" message
+    return parse
 
 
 def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per engine knob (`--max-num-seqs 32`, ...), all defaulting to "leave as configured"."""
-    group = parser.add_argument_group("engine knobs (see DESIGN.md)")
-    for f in dataclasses.fields(EngineConfig):
-        if f.name == "generation":
-            continue
-        choices = None
-        if f.type in ("int", int):
-            kind: Any = int
-        elif f.type in ("float", float):
-            kind = float
-        elif f.type in ("bool", bool):
-            kind = _parse_bool
-        elif "None" in str(f.type):
-            kind = _optional_int
-        else:
-            kind = str
-            choices = get_args(getattr(sys.modules["engine.config"], str(f.type), None)) or None
+    group = parser.add_argument_group("engine knobs")
+    for knob in KNOBS:
+        unit = f", in {knob.unit}" if knob.unit else ""
+        default = "none" if knob.default is None else knob.default
         # SUPPRESS: an absent flag leaves the knob as configured, while `--chunk-size none` sets it to None.
-        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=argparse.SUPPRESS,
-                           choices=choices, help=f"default: {f.default}")
+        group.add_argument(knob.flag, dest=knob.name, type=_flag_type(knob), default=argparse.SUPPRESS,
+                           choices=knob.choices, help=f"{knob.help}{unit}; default: {default}")
 
 
 def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    return {name: getattr(args, name) for name in EngineConfig.knob_names() if hasattr(args, name)}
+    return {name: getattr(args, name) for name in KNOB_NAMES if hasattr(args, name)}
 
 
 def format_timing_table(outputs: list[RequestOutput]) -> str:

@@ -11,10 +11,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from engine.knobs import KNOB_BY_NAME, KNOB_NAMES, RELAYOUT_KNOBS
+
 PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 
-MAX_BLOCK_SIZE = 256
+__all__ = ["RELAYOUT_KNOBS", "ConfigError", "EngineConfig", "ModelLimits", "PreemptionMode", "SchedulingPolicy"]
 
 
 class ConfigError(ValueError):
@@ -35,29 +37,31 @@ class ModelLimits:
     kv_bytes_per_token: int
 
 
-# Knobs that need the KV cache laid out anew when they change (running sequences are recomputed).
-RELAYOUT_KNOBS = frozenset({"block_size", "num_kv_blocks", "kv_cache_bytes", "max_model_len", "swap_space_bytes"})
+def _default(name: str) -> Any:
+    return KNOB_BY_NAME[name].default
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    chunk_size: int | None = None  # None: a prefill chunk is limited only by the step budget
-    prefill_token_ratio: float = 1.0
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: derived from kv_cache_bytes
-    kv_cache_bytes: int = 1 << 30
-    max_model_len: int | None = None  # None: the model's context
-    preemption_mode: PreemptionMode = "recompute"
-    swap_space_bytes: int = 512 << 20
-    enable_prefix_caching: bool = True
-    scheduling_policy: SchedulingPolicy = "fcfs"
+    """Every knob (engine.knobs describes each) and the generation number of this config."""
+
+    max_num_seqs: int = _default("max_num_seqs")
+    max_num_batched_tokens: int = _default("max_num_batched_tokens")
+    chunk_size: int | None = _default("chunk_size")
+    prefill_token_ratio: float = _default("prefill_token_ratio")
+    block_size: int = _default("block_size")
+    num_kv_blocks: int | None = _default("num_kv_blocks")
+    kv_cache_bytes: int = _default("kv_cache_bytes")
+    max_model_len: int | None = _default("max_model_len")
+    preemption_mode: PreemptionMode = _default("preemption_mode")
+    swap_space_bytes: int = _default("swap_space_bytes")
+    enable_prefix_caching: bool = _default("enable_prefix_caching")
+    scheduling_policy: SchedulingPolicy = _default("scheduling_policy")
     generation: int = 0
 
     @classmethod
     def knob_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "generation")
+        return KNOB_NAMES
 
     @classmethod
     def create(cls, limits: ModelLimits, **knobs: Any) -> EngineConfig:
@@ -102,8 +106,14 @@ class EngineConfig:
         """Raise ConfigError for the first bad knob. Where two knobs conflict, the error names the one that
         `changed` says the caller just set."""
         changed = changed if changed is not None else set(self.knob_names())
-        _check_int(self, "max_num_seqs", low=1)
-        _check_int(self, "max_num_batched_tokens", low=1)
+        # Each knob on its own, as engine.knobs describes it; num_kv_blocks last, with the pool's needs.
+        for name in self.knob_names():
+            if name == "num_kv_blocks":
+                continue
+            high = limits.max_context_len if name == "max_model_len" else None
+            reason = KNOB_BY_NAME[name].check(getattr(self, name), high=high)
+            if reason is not None:
+                raise ConfigError(name, getattr(self, name), reason)
         budget = self.max_num_batched_tokens
         if self.max_num_seqs > budget:
             if "max_num_seqs" in changed:
@@ -111,38 +121,23 @@ class EngineConfig:
                                   f"must be <= max_num_batched_tokens ({budget}): each running sequence needs a "
                                   "token every step")
             raise ConfigError("max_num_batched_tokens", budget, f"must be >= max_num_seqs ({self.max_num_seqs})")
-        if self.chunk_size is not None:
-            _check_int(self, "chunk_size", low=1)
-            if self.chunk_size > budget:
-                if "chunk_size" in changed:
-                    raise ConfigError("chunk_size", self.chunk_size,
-                                      f"must be in 1..max_num_batched_tokens ({budget})")
-                raise ConfigError("max_num_batched_tokens", budget, f"must be >= chunk_size ({self.chunk_size})")
-        if isinstance(self.prefill_token_ratio, bool) or not isinstance(self.prefill_token_ratio, (int, float)):
-            raise ConfigError("prefill_token_ratio", self.prefill_token_ratio, "must be a number in (0, 1]")
-        if not 0.0 < self.prefill_token_ratio <= 1.0:
-            raise ConfigError("prefill_token_ratio", self.prefill_token_ratio, "must be in (0, 1]")
-        _check_int(self, "block_size", low=1, high=MAX_BLOCK_SIZE)
-        _check_int(self, "kv_cache_bytes", low=1)
-        _check_int(self, "swap_space_bytes", low=0)
-        if self.max_model_len is not None:
-            _check_int(self, "max_model_len", low=2, high=limits.max_context_len)
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ConfigError("preemption_mode", self.preemption_mode, "must be 'recompute' or 'swap'")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ConfigError("scheduling_policy", self.scheduling_policy, "must be 'fcfs' or 'priority'")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ConfigError("enable_prefix_caching", self.enable_prefix_caching, "must be true or false")
+        if self.chunk_size is not None and self.chunk_size > budget:
+            if "chunk_size" in changed:
+                raise ConfigError("chunk_size", self.chunk_size, f"must be in 1..max_num_batched_tokens ({budget})")
+            raise ConfigError("max_num_batched_tokens", budget, f"must be >= chunk_size ({self.chunk_size})")
         # The pool must hold one sequence of the longest allowed length.
         model_len = self.resolved_max_model_len(limits)
         blocks_needed = -(-model_len // self.block_size)
         if self.num_kv_blocks is not None:
-            _check_int(self, "num_kv_blocks", low=1)
+            reason = KNOB_BY_NAME["num_kv_blocks"].check(self.num_kv_blocks)
+            if reason is not None:
+                raise ConfigError("num_kv_blocks", self.num_kv_blocks, reason)
             if self.num_kv_blocks < blocks_needed and "num_kv_blocks" not in changed:
                 knob = "max_model_len" if "max_model_len" in changed else "block_size"
                 raise ConfigError(knob, getattr(self, knob),
                                   f"needs {blocks_needed} KV blocks but num_kv_blocks is {self.num_kv_blocks}")
-            _check_int(self, "num_kv_blocks", low=blocks_needed)
+            if self.num_kv_blocks < blocks_needed:
+                raise ConfigError("num_kv_blocks", self.num_kv_blocks, f"must be an integer >= {blocks_needed}")
         elif self.resolved_num_kv_blocks(limits) < blocks_needed:
             need = blocks_needed * self.block_size * limits.kv_bytes_per_token
             knob = next((k for k in ("kv_cache_bytes", "max_model_len", "block_size") if k in changed),
@@ -157,13 +152,5 @@ class EngineConfig:
 def _reject_unknown(knobs: dict[str, Any]) -> None:
     unknown = sorted(set(knobs) - set(EngineConfig.knob_names()))
     if unknown:
-        raise ConfigError(unknown[0], knobs[unknown[0]], f"unknown knob; known knobs: {', '.join(EngineConfig.knob_names())}")
+        raise ConfigError(unknown[0], knobs[unknown[0]], f"unknown knob; known knobs: {', '.join(KNOB_NAMES)}")
 
-
-def _check_int(config: EngineConfig, knob: str, low: int, high: int | None = None) -> None:
-    value = getattr(config, knob)
-    allowed = f"must be an integer in {low}..{high}" if high is not None else f"must be an integer >= {low}"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(knob, value, allowed)
-    if value < low or (high is not None and value > high):
-        raise ConfigError(knob, value, allowed)

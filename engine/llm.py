@@ -1,4 +1,4 @@
-"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))`, as later issues and the checks call it."""
+"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))`, the same call as vLLM's."""
 
 from __future__ import annotations
 
@@ -34,12 +34,12 @@ class LLM:
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        one = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        batch: list[Any] = [prompts] if one else list(prompts)  # each a text or a list of token ids
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
+        if len(params_list) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(params_list)} sampling params")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(batch, params_list)]
         results: dict[str, RequestOutput] = {}
         wanted = set(ids)
         while len(results) < len(ids):

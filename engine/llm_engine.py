@@ -133,10 +133,6 @@ class LLMEngine:
         with self._lock:
             return bool(self._requests or self._pending_outputs)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._requests)
-
     # Config -----------------------------------------------------------------------------------------------------
     def update_config(self, **knobs: Any) -> EngineConfig:
         """Validate and apply a knob update at the next step boundary; all-or-nothing (raises ConfigError and

@@ -1,4 +1,4 @@
-"""The server's Prometheus metrics (names fixed in DESIGN.md, "Metrics").
+"""The server's Prometheus metrics (names and buckets: docs/architecture.md, "Metrics").
 
 Latency histograms are observed by the engine thread where tokens are produced; gauges and the counters that
 mirror the engine's own totals (tokens, preemptions, prefix cache, finished requests) are read from the latest
@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from engine.knobs import KNOB_BY_NAME
 from engine.step_record import StepRecord
 
 if TYPE_CHECKING:
@@ -27,21 +28,14 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03,
                    0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
-# Knobs whose values are names: exported as the index into these tuples.
-ENUM_KNOBS = {"preemption_mode": ("recompute", "swap"), "scheduling_policy": ("fcfs", "priority")}
-
 
 def knob_values(snapshot: EngineSnapshot) -> dict[str, float]:
     """Every knob as a number, with 'auto' values resolved (what the engine actually uses)."""
     config, limits = snapshot.config, snapshot.limits
     values: dict[str, float] = {}
     for name, value in config.knobs().items():
-        if name in ENUM_KNOBS:
-            values[name] = float(ENUM_KNOBS[name].index(value)) if value in ENUM_KNOBS[name] else -1.0
-        elif isinstance(value, bool):
-            values[name] = 1.0 if value else 0.0
-        elif value is not None:
-            values[name] = float(value)
+        if value is not None:  # a name knob as the index of its choice (engine.knobs)
+            values[name] = KNOB_BY_NAME[name].as_number(value)
     values["chunk_size"] = float(config.max_chunk())
     values["num_kv_blocks"] = float(config.resolved_num_kv_blocks(limits))
     values["max_model_len"] = float(config.resolved_max_model_len(limits))
@@ -128,7 +122,7 @@ class ServerMetrics:
         self.config_changes = Counter("slotune_config_updates", "Live config updates applied.", registry=r)
         self.http_responses = Counter("slotune_http_responses", "HTTP responses by path and status code.",
                                       ["path", "code"], registry=r)
-        r.register(_SnapshotCollector(snapshot))  # type: ignore[arg-type]
+        r.register(_SnapshotCollector(snapshot))
 
     def observe_step(self, record: StepRecord) -> None:
         self.step_duration.observe(record.total_s)

@@ -79,7 +79,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
             # A GGUF-loaded model refuses to save while it still carries its quantizer marker.
-            hf_model.hf_quantizer = None
+            hf_model.hf_quantizer = None  # type: ignore[assignment]  # transformers declares it never None
             if hasattr(hf_model.config, "quantization_config"):
                 del hf_model.config.quantization_config
             hf_model.save_pretrained(tmp, safe_serialization=True)

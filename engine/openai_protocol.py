@@ -86,7 +86,7 @@ class _SamplingFields(_Strict):
         """Raises ValueError with the reason for a bad combination. max_tokens None becomes a placeholder that
         the engine loop replaces with what the context leaves."""
         max_tokens = self.requested_max_tokens()
-        stop = self.stop if self.stop is not None else ()
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         temperature = 1.0 if self.temperature is None else self.temperature
         top_p = 1.0 if self.top_p is None else self.top_p
         # Values the float32 sampler cannot represent would fail the whole batch's step (NaN probabilities):

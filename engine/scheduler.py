@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import KVCacheManager
@@ -195,7 +196,8 @@ class Scheduler:
         scheduled = out.scheduled
         i = 0
         while i < len(running):
-            seq = running[i]
+            seq: Sequence | None = running[i]
+            assert seq is not None
             # Fast path, most sequences in most steps: one decode token that fits in the last block.
             computed = seq.num_computed_tokens
             if (computed + 1 == seq.num_tokens and computed >= seq.num_prompt_tokens and budget > 0
@@ -243,7 +245,8 @@ class Scheduler:
                 break
         return out
 
-    def _admit(self, queue: RequestQueue, tokens_for, take, out: SchedulerOutput) -> bool:  # type: ignore[no-untyped-def]
+    def _admit(self, queue: RequestQueue, tokens_for: Callable[[Sequence, int], int],
+               take: Callable[[Sequence, int], None], out: SchedulerOutput) -> bool:
         """Start (or restart from scratch) the head of `queue` if its first chunk fits; False if it does not."""
         seq = queue.peek()
         assert seq is not None

@@ -15,6 +15,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import signal
 import threading
 import time
@@ -553,7 +554,7 @@ def create_server(engine: Any, *, host: str = "127.0.0.1", port: int = 8000, mod
                               max_body_bytes=max_body_bytes)
     app = build_app(engine_loop, settings, metrics)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                            timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
+                            timeout_graceful_shutdown=math.ceil(shutdown_timeout), lifespan="on")
     server = SlotuneServer(config, engine_loop)
     server.metrics = metrics  # type: ignore[attr-defined]
     return server

@@ -1,8 +1,7 @@
-"""slotune's load generator (see ../shared/DESIGN.md, "Measured quantities" and "Load generation").
+"""slotune's load generator (docs/architecture.md; durations are parsed by ``slotune.units``).
 
 Pure modules, importable anywhere (the tuner uses them; no locust, no gevent, never the engine):
 
-- ``durations``  ``50ms`` / ``2s`` / ``1m30s`` -> seconds
 - ``workloads``  mixed / prefix / Azure CSV / Mooncake JSONL workloads, length scale, clipping
 - ``tokens``     prompt token ids of exact lengths, shared exactly where a workload shares prefixes
 - ``arrivals``   trace timestamps, Poisson, Gamma with burstiness, rate ramp, constant

@@ -2,7 +2,7 @@
 
     slotune loadtest --url http://127.0.0.1:8000 --workload mixed --rate 4 --duration 60s --out results/mixed \
         --slo-p99-tbt 50ms --slo-p99-ttft 2s
-    slotune loadtest --url ... --workload ../shared/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
+    slotune loadtest --url ... --workload traces/azure2023/AzureLLMInferenceTrace_conv.csv \
         --rate 2 --length-scale 0.25 --max-context 2048 --duration 2m --out results/conv --workers 2
 
 Locust runs headless in its own process(es); this process prints a progress line, then the summary table.
@@ -17,7 +17,7 @@ import sys
 import time
 
 from loadtest.config import OPTIONS, LoadConfig
-from loadtest.durations import format_duration
+from slotune.units import format_duration
 from loadtest.summary import format_summary_table
 
 

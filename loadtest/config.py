@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from loadtest.arrivals import KINDS
-from loadtest.durations import parse_duration
+from slotune.units import parse_duration
 from loadtest.tokens import TokenSpace
 from loadtest.workloads import DEFAULT_MIX, DEFAULT_MIX_WEIGHTS
 
@@ -63,7 +63,6 @@ OPTIONS: list[Option] = [
     Option("out", "", "directory for records and summary (default loadtest-results/<time>)"),
     Option("records-format", "parquet", "records table format: parquet or csv"),
 ]
-OPTION_BY_FIELD = {o.field: o for o in OPTIONS}
 
 
 def _opt(conv: Callable[[str], Any]) -> Callable[[Any], Any]:

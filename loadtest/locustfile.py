@@ -214,7 +214,7 @@ class Collector:
             meta["stopped_early"] = True
             duration = max(self.stopped_at - self.t0, 1e-9)
         # every request that was due by the end has a record (sent or not); one without is lost (a dead worker)
-        due_by = (self.stopped_at if meta.get("stopped_early") else math.inf) - self.t0
+        due_by = self.stopped_at - self.t0 if self.stopped_at is not None and meta.get("stopped_early") else math.inf
         lost = sum(1 for r in self.schedule.requests if r.at <= due_by and r.index not in self.records)
         meta["lost_requests"] = lost
         slo = SLO(self.cfg.slo_p99_tbt, self.cfg.slo_p99_ttft, self.cfg.slo_p99_e2e)
@@ -245,7 +245,7 @@ def discover_model(url: str, timeout: float = 3.0) -> str | None:
         with urllib.request.urlopen(base + "/v1/models", timeout=timeout) as r:
             data = json.loads(r.read())
         return data["data"][0]["id"]
-    except Exception:  # noqa: BLE001 - any failure means: send no model name
+    except Exception:  # any failure means: send no model name
         return None
 
 

@@ -40,6 +40,7 @@ def epoch_offset(samples: int = 5) -> float:
         b = time.perf_counter()
         if best is None or b - a < best[0]:
             best = (b - a, wall - (a + b) / 2)
+    assert best is not None
     return best[1]
 
 

@@ -20,7 +20,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-STATUSES = ("ok", "error", "unfinished", "not_sent")
 NAN = float("nan")
 
 
@@ -109,7 +108,7 @@ def write_records(path: str, records: Iterable[RequestRecord], meta: dict | None
     import pyarrow.parquet as pq
 
     schema = _arrow_schema()
-    cols = {c: [] for c in COLUMNS}
+    cols: dict[str, list[Any]] = {c: [] for c in COLUMNS}
     for r in rows:
         d = r.to_dict()
         for c in COLUMNS:
@@ -129,15 +128,6 @@ def read_records(path: str) -> list[RequestRecord]:
     import pyarrow.parquet as pq
 
     return [RequestRecord.from_dict(d) for d in pq.read_table(path).to_pylist()]
-
-
-def read_meta(path: str) -> dict:
-    """The metadata stored with a parquet records file ({} if none)."""
-    import pyarrow.parquet as pq
-
-    md = pq.read_schema(path).metadata or {}
-    raw = md.get(b"slotune")
-    return json.loads(raw) if raw else {}
 
 
 def to_frame(records: Iterable[RequestRecord]):

@@ -116,6 +116,7 @@ def run_loadtest(cfg: LoadConfig, workers: int = 1, on_progress: Callable[[dict]
     schedule = build_schedule(cfg)  # fail early on bad options, and size the timeout
     out = cfg.out or os.path.join("loadtest-results", time.strftime("%Y%m%d-%H%M%S"))
     cfg = replace(cfg, out=os.path.abspath(out))
+    assert cfg.out is not None
     os.makedirs(cfg.out, exist_ok=True)
     summary_path = os.path.join(cfg.out, "summary.json")
     for name in ("summary.json", "records.parquet", "records.csv"):
@@ -150,7 +151,7 @@ def run_loadtest(cfg: LoadConfig, workers: int = 1, on_progress: Callable[[dict]
                     if on_progress is not None:
                         try:
                             on_progress(json.loads(line.split(" ", 1)[1]))
-                        except Exception:  # noqa: BLE001 - progress display must never break a run
+                        except Exception:  # progress display must never break a run
                             pass
                 elif line.startswith("SLOTUNE_ERROR "):
                     errors.append(json.loads(line.split(" ", 1)[1]))

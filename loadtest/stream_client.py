@@ -73,6 +73,7 @@ class Endpoint:
 
     def connect(self) -> socket.socket:
         self.resolve()
+        assert self._addr is not None
         sock = socket.create_connection(self._addr, timeout=self.timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._ssl_ctx is not None:
@@ -132,6 +133,7 @@ def stream_completion(endpoint: Endpoint, body: bytes, result: StreamResult, max
                 sock = None
                 if attempt or not reused:
                     raise HTTPError("connection closed before the response") from None
+        assert sock is not None
         if keep:
             endpoint.release(sock)
         else:

@@ -1,6 +1,6 @@
 """The summary of a load test, computed from the raw per-request records (never from Locust's statistics).
 
-Definitions (../shared/DESIGN.md, "Measured quantities"):
+Definitions (docs/architecture.md, "Measured quantities"):
 
 - TTFT: intended send time -> first token received; percentiles over the requests that received a token.
 - TBT: the gaps between consecutive tokens of one request; ``tbt_p*`` pool the gaps of all requests
@@ -28,7 +28,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from loadtest.durations import format_duration
+from slotune.units import format_duration
 from loadtest.records import RequestRecord, from_frame, read_records
 
 

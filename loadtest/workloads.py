@@ -17,7 +17,6 @@ from __future__ import annotations
 import csv
 import itertools
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -49,7 +48,7 @@ class RequestSpec:
     @classmethod
     def from_wire(cls, w: list) -> "RequestSpec":
         index, at, p, o, kind, segs = w
-        return cls(int(index), int(p), int(o), str(kind), tuple(tuple(int(x) for x in s) for s in segs), float(at))
+        return cls(int(index), int(p), int(o), str(kind), tuple((int(s[0]), int(s[1]), int(s[2])) for s in segs), float(at))
 
 
 @dataclass(frozen=True)

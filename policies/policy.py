@@ -1,6 +1,7 @@
 """A tuning policy: the SLO, the knobs to search (bounds or choices), constraints between knobs, the sampler,
-the trial count and durations, the workload and the offered rate. Loaded from YAML and validated; every error
-names the field (``search_space.max_num_seqs.low: ...``).
+the trial count and durations, the workload and the offered rate. Loaded from YAML and validated by the schema in
+``policies.schema`` (pydantic, derived from the engine's knob table); every error names the field
+(``search_space.max_num_seqs.low: ...``).
 
 The shipped default is ``policies/default.yaml`` (package data: :func:`default_policy_path`).
 """
@@ -9,48 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 
-from loadtest.durations import parse_duration
+from engine.knobs import KNOB_BY_NAME
+from policies.schema import Objective, PolicyDoc, PolicyError, Sampler, Start, validate_document
 
-SAMPLERS = ("tpe", "gp", "random", "grid", "nsga2")
-OBJECTIVES = ("goodput", "capacity")
-# How TPE's first trials are chosen: "structured" (tuner.structured_start: a bisection over max_num_seqs, then steps
-# of the other scheduling knobs around the feasibility boundary) or "random" (Optuna's random start-up).
-STARTS = ("structured", "random")
-
-# The engine knobs a policy may search or fix, with their value type (names as in DESIGN.md / the engine's
-# config; the tuner talks to the engine only over HTTP, so it keeps its own table of what may be searched).
-KNOB_TYPES: dict[str, type] = {
-    "max_num_seqs": int,
-    "max_num_batched_tokens": int,
-    "chunk_size": int,
-    "prefill_token_ratio": float,
-    "block_size": int,
-    "num_kv_blocks": int,
-    "kv_cache_bytes": int,
-    "max_model_len": int,
-    "preemption_mode": str,
-    "enable_prefix_caching": bool,
-    "scheduling_policy": str,
-}
-
-_CONSTRAINT = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*|[-+]?\d+(?:\.\d*)?)\s*(<=|>=)\s*"
-                         r"([A-Za-z_][A-Za-z0-9_]*|[-+]?\d+(?:\.\d*)?)\s*$")
-
-
-class PolicyError(ValueError):
-    """A bad policy value; the message starts with the field's path."""
-
-    def __init__(self, field_path: str, message: str) -> None:
-        super().__init__(f"{field_path}: {message}")
-        self.field = field_path
+SAMPLERS: tuple[str, ...] = get_args(Sampler)
+OBJECTIVES: tuple[str, ...] = get_args(Objective)
+STARTS: tuple[str, ...] = get_args(Start)
 
 
 @dataclass(frozen=True)
@@ -66,7 +38,7 @@ class KnobRange:
 
     @property
     def kind(self) -> type:
-        return KNOB_TYPES[self.name]
+        return KNOB_BY_NAME[self.name].type
 
     def grid_values(self) -> list[Any]:
         """The values a grid search tries: the choices; a stepped range; powers of two for a log int range."""
@@ -122,9 +94,9 @@ class Constraint:
             return knobs
         out = dict(knobs)
         if isinstance(self.left, str) and (self.left in searched or not isinstance(self.right, str)):
-            out[self.left] = KNOB_TYPES[self.left](knobs[self.right] if isinstance(self.right, str) else self.right)
+            out[self.left] = KNOB_BY_NAME[self.left].type(knobs[self.right] if isinstance(self.right, str) else self.right)
         elif isinstance(self.right, str):
-            out[self.right] = KNOB_TYPES[self.right](knobs[self.left] if isinstance(self.left, str) else self.left)
+            out[self.right] = KNOB_BY_NAME[self.right].type(knobs[self.left] if isinstance(self.left, str) else self.left)
         return out
 
 
@@ -206,235 +178,33 @@ class Policy:
 
 # ------------------------------------------------------------------------------------------------ parsing
 
-def _mapping(value: Any, path: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise PolicyError(path, f"must be a mapping, got {type(value).__name__}")
-    return value
+def _in_order(given: Any, names: set[str]) -> list[str]:
+    """`names` in the order the document gave them (the search space's order is the structured start's)."""
+    return [str(k) for k in (given if isinstance(given, dict) else {}) if k in names]
 
 
-def _unknown(d: dict[str, Any], allowed: set[str], path: str) -> None:
-    extra = sorted(set(map(str, d)) - allowed)
-    if extra:
-        prefix = f"{path}." if path else ""
-        raise PolicyError(f"{prefix}{extra[0]}", f"unknown field; known: {', '.join(sorted(allowed))}")
-
-
-def _duration(value: Any, path: str, required: bool = False) -> float | None:
-    if value is None:
-        if required:
-            raise PolicyError(path, "is required (a duration such as 50ms)")
-        return None
-    try:
-        seconds = parse_duration(value)
-    except ValueError as error:
-        raise PolicyError(path, str(error)) from None
-    if seconds <= 0:
-        raise PolicyError(path, f"must be > 0, got {value!r}")
-    return seconds
-
-
-def _number(value: Any, path: str, kind: type = float, low: float | None = None, high: float | None = None,
-            low_open: bool = False) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            kind is int and not float(value).is_integer()):
-        raise PolicyError(path, f"must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-    v = kind(value)
-    if not math.isfinite(float(v)):
-        raise PolicyError(path, f"must be finite, got {value!r}")
-    if low is not None and (v <= low if low_open else v < low):
-        raise PolicyError(path, f"must be {'>' if low_open else '>='} {low}, got {value!r}")
-    if high is not None and v > high:
-        raise PolicyError(path, f"must be <= {high}, got {value!r}")
-    return v
-
-
-def knob_value(name: str, value: Any, path: str) -> Any:
-    """``value`` checked and converted to knob ``name``'s type; a PolicyError names ``path`` (a field or a flag)."""
-    kind = KNOB_TYPES[name]
-    if name == "chunk_size" and value is None:
-        return None
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise PolicyError(path, f"must be true or false, got {value!r}")
-        return value
-    if kind is str:
-        if not isinstance(value, str):
-            raise PolicyError(path, f"must be a string, got {value!r}")
-        return value
-    low = 0.0 if kind is float else 1
-    return _number(value, path, kind, low=low, low_open=kind is float)
-
-
-def _knob_range(name: str, spec: Any, path: str) -> KnobRange:
-    if name not in KNOB_TYPES:
-        raise PolicyError(path, f"unknown knob; searchable knobs: {', '.join(KNOB_TYPES)}")
-    if isinstance(spec, list):
-        spec = {"choices": spec}
-    spec = _mapping(spec, path)
-    _unknown(spec, {"low", "high", "log", "step", "choices"}, path)
-    if "choices" in spec:
-        if set(spec) - {"choices"}:
-            raise PolicyError(path, "give either `choices` or `low`/`high`, not both")
-        choices = spec["choices"]
-        if not isinstance(choices, list) or not choices:
-            raise PolicyError(f"{path}.choices", "must be a non-empty list")
-        values = tuple(knob_value(name, v, f"{path}.choices[{i}]") for i, v in enumerate(choices))
-        if len(set(values)) != len(values):
-            raise PolicyError(f"{path}.choices", "has duplicates")
-        return KnobRange(name, choices=values)
-    kind = KNOB_TYPES[name]
-    if kind not in (int, float):
-        raise PolicyError(path, f"a {kind.__name__} knob needs `choices`")
-    for key in ("low", "high"):
-        if key not in spec:
-            raise PolicyError(f"{path}.{key}", "is required (or give `choices`)")
-    low = knob_value(name, spec["low"], f"{path}.low")
-    high = knob_value(name, spec["high"], f"{path}.high")
-    if low > high:
-        raise PolicyError(f"{path}.low", f"must be <= high ({high}), got {low}")
-    log = spec.get("log", False)
-    if not isinstance(log, bool):
-        raise PolicyError(f"{path}.log", f"must be true or false, got {log!r}")
-    step = spec.get("step")
-    if step is not None:
-        step = _number(step, f"{path}.step", kind, low=0, low_open=True)
-        if log:
-            raise PolicyError(f"{path}.step", "cannot be combined with log: true")
-    return KnobRange(name, low=low, high=high, log=log, step=step)
-
-
-def _constraint(text: Any, path: str) -> Constraint:
-    if not isinstance(text, str):
-        raise PolicyError(path, f"must be a string such as 'chunk_size <= max_num_batched_tokens', got {text!r}")
-    m = _CONSTRAINT.match(text)
-    if not m:
-        raise PolicyError(path, f"cannot parse {text!r}: use 'KNOB <= KNOB', 'KNOB >= KNOB' or a number on one side")
-    sides: list[str | float] = []
-    for raw in (m.group(1), m.group(3)):
-        if raw[0].isalpha() or raw[0] == "_":
-            if raw not in KNOB_TYPES:
-                raise PolicyError(path, f"unknown knob {raw!r}; knobs: {', '.join(KNOB_TYPES)}")
-            if KNOB_TYPES[raw] not in (int, float):
-                raise PolicyError(path, f"knob {raw!r} is not numeric")
-            sides.append(raw)
-        else:
-            sides.append(float(raw))
-    if not any(isinstance(s, str) for s in sides):
-        raise PolicyError(path, "needs at least one knob")
-    return Constraint(sides[0], m.group(2), sides[1])
-
-
-def _rate(value: Any, path: str) -> float | None:
-    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
-        return None
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise PolicyError(path, f"must be a number of requests/s or 'auto', got {value!r}") from None
-    return _number(value, path, float, low=0, low_open=True)
-
-
-TOP_FIELDS = {"slo", "search_space", "fixed", "constraints", "sampler", "start", "objective", "trials",
-              "trial_duration", "warmup", "seed", "workload", "rate", "pruning", "guardrails", "triggers", "name",
-              "description"}
+def _policy(doc: PolicyDoc, data: dict[str, Any], source: str) -> Policy:
+    ranges = {name: getattr(doc.search_space, name) for name in doc.search_space.model_fields_set}
+    space = tuple(KnobRange(name, low=spec.low, high=spec.high, log=spec.log, step=spec.step,
+                            choices=None if spec.choices is None else tuple(spec.choices))
+                  for name in _in_order(data.get("search_space"), set(ranges)) if (spec := ranges[name]) is not None)
+    fixed = {name: getattr(doc.fixed, name) for name in _in_order(data.get("fixed"), doc.fixed.model_fields_set)}
+    workload = WorkloadSpec(**doc.workload.model_dump())
+    return Policy(slo=SLOTargets(**doc.slo.model_dump()), search_space=space, fixed=fixed,
+                  constraints=tuple(Constraint(*c) for c in doc.constraints), sampler=doc.sampler, start=doc.start,
+                  objective=doc.objective, trials=doc.trials, trial_duration=doc.trial_duration, warmup=doc.warmup,
+                  seed=doc.seed, workload=workload, rate=doc.rate, pruning=PruningSpec(**doc.pruning.model_dump()),
+                  source=source)
 
 
 def parse_policy(data: Any, source: str = "<dict>") -> Policy:
     """A validated Policy from a parsed YAML document. ``guardrails``/``triggers`` (the controller's) pass through
     unread here."""
-    data = _mapping(data, "policy")
-    _unknown(data, TOP_FIELDS, "")
-    slo = _mapping(data.get("slo"), "slo")
-    _unknown(slo, {"tbt_p99", "ttft_p99", "e2e_p99"}, "slo")
-    targets = SLOTargets(tbt_p99=_duration(slo.get("tbt_p99"), "slo.tbt_p99", required=True),  # type: ignore[arg-type]
-                         ttft_p99=_duration(slo.get("ttft_p99"), "slo.ttft_p99"),
-                         e2e_p99=_duration(slo.get("e2e_p99"), "slo.e2e_p99"))
-    space_raw = _mapping(data.get("search_space"), "search_space")
-    if not space_raw:
-        raise PolicyError("search_space", "must name at least one knob to search")
-    space = tuple(_knob_range(str(k), v, f"search_space.{k}") for k, v in space_raw.items())
-    fixed_raw = _mapping(data.get("fixed"), "fixed")
-    fixed: dict[str, Any] = {}
-    for k, v in fixed_raw.items():
-        if k not in KNOB_TYPES:
-            raise PolicyError(f"fixed.{k}", f"unknown knob; knobs: {', '.join(KNOB_TYPES)}")
-        if k in space_raw:
-            raise PolicyError(f"fixed.{k}", "is also in search_space")
-        fixed[str(k)] = knob_value(str(k), v, f"fixed.{k}")
-    constraints_raw = data.get("constraints") or []
-    if not isinstance(constraints_raw, list):
-        raise PolicyError("constraints", "must be a list of strings")
-    constraints = tuple(_constraint(c, f"constraints[{i}]") for i, c in enumerate(constraints_raw))
-    sampler = data.get("sampler", "tpe")
-    if sampler not in SAMPLERS:
-        raise PolicyError("sampler", f"must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
-    start = data.get("start", "structured")
-    if start not in STARTS:
-        raise PolicyError("start", f"must be one of {', '.join(STARTS)}, got {start!r}")
-    objective = data.get("objective", "goodput")
-    if objective not in OBJECTIVES:
-        raise PolicyError("objective", f"must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
-    wl = _mapping(data.get("workload"), "workload")
-    _unknown(wl, {f.name for f in dataclasses.fields(WorkloadSpec)}, "workload")
-    name = wl.get("name", "mixed")
-    if not isinstance(name, str) or not name:
-        raise PolicyError("workload.name", f"must be 'mixed' or a trace file path, got {name!r}")
-    workload = WorkloadSpec(
-        name=name,
-        length_scale=_number(wl.get("length_scale", 1.0), "workload.length_scale", float, low=0, low_open=True),
-        mix=_str_or_none(wl.get("mix"), "workload.mix"),
-        mix_weights=_str_or_none(wl.get("mix_weights"), "workload.mix_weights"),
-        time_scale=None if wl.get("time_scale") is None else _number(wl["time_scale"], "workload.time_scale", float,
-                                                                      low=0, low_open=True),
-        trace_offset=_warmup_like(wl.get("trace_offset", 0), "workload.trace_offset"),
-        max_context=None if wl.get("max_context") is None else _number(wl["max_context"], "workload.max_context",
-                                                                        int, low=2))
-    pr = _mapping(data.get("pruning"), "pruning")
-    _unknown(pr, {f.name for f in dataclasses.fields(PruningSpec)}, "pruning")
-    enabled = pr.get("enabled", True)
-    if not isinstance(enabled, bool):
-        raise PolicyError("pruning.enabled", f"must be true or false, got {enabled!r}")
-    pruning = PruningSpec(
-        enabled=enabled,
-        min_gaps=_number(pr.get("min_gaps", 100), "pruning.min_gaps", int, low=1),
-        violation_share=_number(pr.get("violation_share", 0.05), "pruning.violation_share", float, low=0.01,
-                                high=1.0),
-        min_elapsed=_number(pr.get("min_elapsed", 0.3), "pruning.min_elapsed", float, low=0.0, high=1.0))
-    policy = Policy(
-        slo=targets, search_space=space, fixed=fixed, constraints=constraints, sampler=sampler, start=start,
-        objective=objective,
-        trials=_number(data.get("trials", 10), "trials", int, low=1),
-        trial_duration=_duration(data.get("trial_duration", "20s"), "trial_duration", required=True),  # type: ignore
-        warmup=_warmup(data.get("warmup", "3s")),
-        seed=_number(data.get("seed", 0), "seed", int, low=0),
-        workload=workload, rate=_rate(data.get("rate", "auto"), "rate"), pruning=pruning, source=source)
-    if sampler == "grid":
-        for k in space:
+    policy = _policy(validate_document(data), data, source)
+    if policy.sampler == "grid":
+        for k in policy.search_space:
             k.grid_values()
     return policy
-
-
-def _warmup(value: Any) -> float:
-    return _warmup_like(value, "warmup")
-
-
-def _warmup_like(value: Any, path: str) -> float:
-    """A duration that may be 0."""
-    try:
-        return parse_duration(0 if value is None else value)
-    except ValueError as error:
-        raise PolicyError(path, str(error)) from None
-
-
-def _str_or_none(value: Any, path: str) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise PolicyError(path, f"must be a string, got {value!r}")
-    return value
 
 
 def default_policy_path() -> Path:

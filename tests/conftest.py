@@ -54,14 +54,14 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tokenizer(model_dir: Path):  # type: ignore[no-untyped-def]
+def tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture(scope="session")
-def mixed_prompts(tokenizer) -> list[list[int]]:  # type: ignore[no-untyped-def]
+def mixed_prompts(tokenizer) -> list[list[int]]:
     """16 prompts of 1 to ~250 tokens; the last 8 share a ~90-token prefix (several full KV blocks)."""
     texts = INDEPENDENT_PROMPTS + [SHARED_PREFIX + s for s in PREFIX_SUFFIXES]
     return [list(tokenizer(t)["input_ids"]) for t in texts]

@@ -1,4 +1,4 @@
-"""Hand-made result folders and studies in the shared formats (DESIGN / issue 7: sweep.json slotune-sweep/1, trial
+"""Hand-made result folders and studies in the shared formats (sweep.json slotune-sweep/1, trial
 folders slotune-trial/1, Optuna user attrs), for the dashboard tests. The numbers are chosen so the answers are
 known: see KNEE_* and PARETO_*."""
 

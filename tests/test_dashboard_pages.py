@@ -4,8 +4,6 @@ and the `slotune dashboard` flag errors. The pages themselves are tested in Chro
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +12,7 @@ import pytest
 from dashboards.app import DashboardSettings, curves_page, live_page, live_update, study_page, sweep_body, trial_page
 from dashboards.engine_client import EngineClient, LiveFeed
 from tests import dashboard_data as data
-from tests.server_helpers import REPO, free_port
+from tests.server_helpers import free_port
 
 
 def texts(component: Any) -> list[str]:
@@ -91,15 +89,3 @@ def test_dashboard_flag_errors_name_the_flag(tmp_path: Path, capsys: pytest.Capt
                           (["--poll-interval", "0"], "--poll-interval:")):
         assert main(args) == 2  # before any server starts
         assert message in capsys.readouterr().err
-
-
-def test_the_dashboard_never_imports_the_engine_locust_or_torch(tmp_path: Path) -> None:
-    # the dashboard talks to the engine over HTTP only; locust's gevent patching must stay out of it
-    url = f"journal:{tmp_path / 'study.journal'}"
-    data.write_study(url, n_trials=3)
-    code = ("import sys; from dashboards.app import create_app, DashboardSettings, study_body; "
-            f"create_app(DashboardSettings()); study_body(DashboardSettings(storage={url!r}), 'tune'); "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'engine', 'locust', 'gevent', 'torch'}))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[]"

@@ -75,7 +75,7 @@ def test_live_config_update_mid_generation(mixed_prompts, reference_outputs) -> 
     ids = [engine.add_request(p, GREEDY) for p in mixed_prompts]
     done: dict[str, list[int]] = {}
 
-    def step_until(condition) -> None:  # type: ignore[no-untyped-def]
+    def step_until(condition) -> None:
         while not condition():
             for out in engine.step():
                 if out.finished:

@@ -53,7 +53,7 @@ def mixed() -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
 
 
 @pytest.mark.parametrize("batch", [decode_only, mixed])
-def test_fused_layer_loop_is_bit_identical_to_the_python_loop(llm: LLM, batch) -> None:  # type: ignore[no-untyped-def]
+def test_fused_layer_loop_is_bit_identical_to_the_python_loop(llm: LLM, batch) -> None:
     model, kv = llm.engine.model, llm.engine.runner.kv_cache
     assert model.kernels is not None and model.fused_loop, "the C++ kernels were not built (they need g++ and ninja)"
     generator = torch.Generator().manual_seed(0)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from loadtest.arrivals import arrival_times, constant, from_trace, gamma, poisson, ramp
-from loadtest.durations import format_duration, parse_duration
+from slotune.units import format_duration, parse_duration
 
 
 def cv(t):

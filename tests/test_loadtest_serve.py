@@ -1,5 +1,5 @@
-"""The load generator against the real engine server (`slotune serve`, default model): the acceptance checks of
-issue 4 that need the engine. Slow (model load, a CPU engine): run with `python -m pytest -m slow`.
+"""The load generator against the real engine server (`slotune serve`, default model): the load generator's checks
+that need the engine. Slow (model load, a CPU engine): run with `python -m pytest -m slow`.
 
 - a trace replay at >= 20 requests/s keeps the generator's send lag p99 under 10 ms (with --realtime, which this
   test asks for: the engine saturates this machine's CPUs);
@@ -140,5 +140,7 @@ def test_client_p99_tbt_matches_the_engine_itl_histogram(server, tmp_path):
     les = sorted(delta)
     assert delta[les[-1]] == s["tbt_gaps"]  # the engine counted as many gaps as the client measured
     engine_p99 = histogram_quantile(0.99, delta)
-    bucket = lambda x: next(i for i, le in enumerate(les) if x <= le)  # noqa: E731
+    def bucket(x: float) -> int:
+        return next(i for i, le in enumerate(les) if x <= le)
+
     assert abs(bucket(s["tbt_p99"]) - bucket(engine_p99)) <= 1, (s["tbt_p99"], engine_p99, les)

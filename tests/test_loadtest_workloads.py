@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from loadtest.workloads import (AzureTraceWorkload, LengthOptions, MixedWorkload
                                 PrefixWorkload, parse_mix)
 
 REPO = Path(__file__).resolve().parents[1]
-TRACES = REPO.parent / "shared" / "traces" / "azure2023"  # the repo is cloned with shared/ beside it
+# the real traces: $SLOTUNE_TRACES, else a shared/traces folder beside the clone
+TRACES = Path(os.environ.get("SLOTUNE_TRACES") or REPO.parent / "shared" / "traces") / "azure2023"
 CODE, CONV = TRACES / "AzureLLMInferenceTrace_code.csv", TRACES / "AzureLLMInferenceTrace_conv.csv"
 needs_traces = pytest.mark.skipif(not CONV.exists(), reason=f"real traces not found at {TRACES}")
 

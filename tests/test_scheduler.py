@@ -430,15 +430,6 @@ TestSchedulerMachine.settings = examples(200, stateful_step_count=40)
 # Directed properties ------------------------------------------------------------------------------------------
 
 def make_sim(seed: int = 0, **knobs: Any) -> Sim:
-    base = dict(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=48,
-                swap_space_bytes=256)
-    base.update(knobs)
-    return Sim(EngineConfig.create(LIMITS, **base), random.Random(seed))
-
-
-# Directed properties ------------------------------------------------------------------------------------------
-
-def make_sim(seed: int = 0, **knobs: Any) -> Sim:
     config = dict(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=48,
                   swap_space_bytes=256)
     config.update(knobs)

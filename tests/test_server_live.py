@@ -30,7 +30,7 @@ def server() -> SubprocessServer:
     s = SubprocessServer(args=["--config", str(tuned), "--max-num-seqs", "64", "--step-log", str(step_log),
                                "--shutdown-timeout", "60"],
                          env={"SLOTUNE_ADMIN_TOKEN": TOKEN})  # the token from the environment
-    s.step_log = step_log  # type: ignore[attr-defined]
+    s.step_log = step_log
     yield s
     s.stop()
 
@@ -167,7 +167,7 @@ def test_500_requests_with_a_third_disconnected(server: SubprocessServer) -> Non
             return await asyncio.gather(*(one(http, *plan) for plan in plans))
 
     results = asyncio.run(run())
-    for (prompt, n, leave), result in zip(plans, results):
+    for (_prompt, n, leave), result in zip(plans, results):
         if leave is None:
             assert result is not None and result["status"] == 200, result
             assert result["done"] and len(result["texts"]) == n
@@ -185,7 +185,7 @@ def test_500_requests_with_a_third_disconnected(server: SubprocessServer) -> Non
 
 
 def test_step_log_matches_debug_steps(server: SubprocessServer) -> None:
-    logged = [json.loads(line) for line in server.step_log.read_text().splitlines()]  # type: ignore[attr-defined]
+    logged = [json.loads(line) for line in server.step_log.read_text().splitlines()]
     served = httpx.get(server.url + "/debug/steps", params={"since": logged[-1]["step"] - 5}).json()["steps"]
     assert served == logged[-len(served):]
     assert [r["step"] for r in logged] == list(range(logged[0]["step"], logged[-1]["step"] + 1))

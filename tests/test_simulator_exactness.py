@@ -20,7 +20,7 @@ COMPARED = ("num_prefill_seqs", "num_prefill_tokens", "num_decode_tokens", "num_
 
 
 @pytest.fixture(scope="module")
-def engine():  # type: ignore[no-untyped-def]
+def engine():
     from engine.llm_engine import LLMEngine
 
     eng = LLMEngine()

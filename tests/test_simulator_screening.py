@@ -66,7 +66,7 @@ def test_search_comparison_curves_and_the_grid(runner: SimTrialRunner) -> None:
     assert all(t >= 1 for m in ("tpe", "random") for t in c.trials_to(m) if not math.isinf(t))
 
 
-def test_screen_enqueues_the_best_for_the_study_to_confirm(runner: SimTrialRunner, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_screen_enqueues_the_best_for_the_study_to_confirm(runner: SimTrialRunner, tmp_path) -> None:
     import json
 
     import optuna
@@ -83,7 +83,7 @@ def test_screen_enqueues_the_best_for_the_study_to_confirm(runner: SimTrialRunne
     assert len(json.loads((tmp_path / "screen.json").read_text())) == 10
 
 
-def test_screen_accepts_the_tuners_real_trial_runner(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_screen_accepts_the_tuners_real_trial_runner(tmp_path) -> None:
     # `tune --screen N` passes its real TrialRunner: the screen runs on that runner's simulated twin (same
     # workload, rate, window, SLO, base config) with the shipped profile; nothing reaches the engine.
     import optuna
@@ -100,7 +100,7 @@ def test_screen_accepts_the_tuners_real_trial_runner(tmp_path) -> None:  # type:
     assert len(study.get_trials(states=(optuna.trial.TrialState.WAITING,))) == 3
 
 
-def test_the_screens_simulator_runs_at_the_speed_the_engine_just_measured(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_screens_simulator_runs_at_the_speed_the_engine_just_measured(tmp_path) -> None:
     # `tune --screen` runs the default config first; its trial folder's step records rescale the profile, so a box
     # that got slower since calibration is screened at its present speed.
     import json
@@ -108,7 +108,7 @@ def test_the_screens_simulator_runs_at_the_speed_the_engine_just_measured(tmp_pa
     import optuna
 
     from tuner.engine_handle import EngineHandle
-    from tuner.simulator_cli import profile_path
+    from tuner.simulator import profile_path
     from tuner.trial_runner import TrialRunner
 
     profile = StepTimeModel.load(profile_path(None))
@@ -133,8 +133,8 @@ def test_the_screens_simulator_runs_at_the_speed_the_engine_just_measured(tmp_pa
     real = TrialRunner(EngineHandle("http://127.0.0.1:9"), workload=POLICY.workload, rate=1.0, duration=6.0,
                        warmup=1.0, slo=SLO(tbt_p99=0.8), base_knobs={"block_size": 16})
     twin, slower = sim_runner_like(real), sim_runner_like(real, measured=measured)
-    assert "rescaled" not in twin.timer.meta  # type: ignore[attr-defined]
-    assert slower.timer.meta["rescaled"] == {"scale": pytest.approx(2.0), "steps": 60}  # type: ignore[attr-defined]
+    assert "rescaled" not in twin.timer.meta
+    assert slower.timer.meta["rescaled"] == {"scale": pytest.approx(2.0), "steps": 60}
     knobs = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "chunk_size": 32}
     fast_tbt, slow_tbt = twin.run(knobs).summary["tbt_p50"], slower.run(knobs).summary["tbt_p50"]
     assert 1.7 < slow_tbt / fast_tbt < 3.2  # 2x per step; a little more as slower steps batch more requests

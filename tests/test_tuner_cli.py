@@ -82,11 +82,3 @@ def test_console_scripts_exit_2_without_traceback(tmp_path: Path) -> None:
                  "--sampler", "--objective", "--policy", "--storage", "--study-name", "--engine-url",
                  "--admin-token", "--model", "--out", "--apply"):
         assert flag in helptext
-
-
-def test_the_tuner_imports_neither_the_engine_nor_locust() -> None:
-    # the engine is reached over HTTP only; locust's gevent patching must stay in the load processes
-    code = ("import sys, tuner.cli, tuner.session, tuner.study, tuner.trial_runner, tuner.output; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'engine', 'torch', 'locust', 'gevent'}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
-    assert out.stdout.strip() == "[]"

@@ -63,7 +63,7 @@ def test_tune_writes_a_servable_config_whose_p99_tbt_meets_the_slo(
     for line in lines:
         assert "goodput" in line and "p99 TBT" in line and "p99 TTFT" in line and "best" in line and "left" in line
     # the engine it started is gone
-    port = re.search(r"engine up at (http://127\.0\.0\.1:\d+)", out).group(1)  # type: ignore[union-attr]
+    port = re.search(r"engine up at (http://127\.0\.0\.1:\d+)", out).group(1)
     with pytest.raises(httpx.HTTPError):
         httpx.get(port + "/health", timeout=2)
 

@@ -63,7 +63,7 @@ def test_resume_after_kill_9(tmp_path: Path) -> None:
         if done >= 2:
             break
     assert first.poll() is None and done >= 2, (tmp_path / "first.log").read_text()
-    engine_url = re.search(r"engine up at (\S+)", (tmp_path / "first.log").read_text()).group(1)  # type: ignore
+    engine_url = re.search(r"engine up at (\S+)", (tmp_path / "first.log").read_text()).group(1)
     first.send_signal(signal.SIGKILL)
     first.wait(10)
     log.close()
@@ -110,7 +110,7 @@ def test_ctrl_c_or_sigterm_stops_the_engine_and_keeps_the_study(tmp_path: Path, 
     out, err = proc.communicate(timeout=90)
     assert proc.returncode == 130, "".join(lines) + out + err
     assert "interrupted; finished trials are kept" in err and "Traceback" not in err
-    engine_url = re.search(r"engine up at (\S+)", "".join(lines)).group(1)  # type: ignore[union-attr]
+    engine_url = re.search(r"engine up at (\S+)", "".join(lines)).group(1)
     with pytest.raises(httpx.HTTPError):
         httpx.get(engine_url + "/health", timeout=2)
     study = optuna.load_study(study_name="stop", storage=open_storage(str(tmp_path / "s.db")))
@@ -118,7 +118,7 @@ def test_ctrl_c_or_sigterm_stops_the_engine_and_keeps_the_study(tmp_path: Path, 
     assert not study.get_trials(states=(TrialState.RUNNING,))  # the interrupted trial is failed, redone on resume
 
 
-def _postgres(tmp_path: Path) -> tuple[str, callable]:  # type: ignore[valid-type]
+def _postgres(tmp_path: Path) -> tuple[str, callable]:
     """A real PostgreSQL in tmp_path, run as the `postgres` user; skips when it cannot start."""
     initdb = shutil.which("initdb") or "/usr/lib/postgresql/15/bin/initdb"
     pg_ctl = shutil.which("pg_ctl") or "/usr/lib/postgresql/15/bin/pg_ctl"

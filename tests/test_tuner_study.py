@@ -119,12 +119,12 @@ def test_the_default_trial_leaves_the_samplers_joint_search_space_whole(tmp_path
     study = open_study(open_storage(f"journal:{tmp_path}/s.journal"), "s", policy)
     enqueue_default(study)
     run_trials(study, CheapRunner(), policy, 5, tmp_path)
-    assert default_trial(study) is not None and not default_trial(study).params  # type: ignore[union-attr]
+    assert default_trial(study) is not None and not default_trial(study).params
     trial = study.ask()
     space = study.sampler.infer_relative_search_space(study, study._storage.get_trial(trial._trial_id))
     assert set(space) == set(policy.searched)
     joint = {"multivariate": True} if sampler == "tpe" else {}
-    unwrapped = type(study.sampler.base)(seed=0, constraints_func=constraints_func, **joint)  # type: ignore
+    unwrapped = type(study.sampler.base)(seed=0, constraints_func=constraints_func, **joint)
     assert unwrapped.infer_relative_search_space(study, study._storage.get_trial(trial._trial_id)) == {}
 
 
@@ -296,7 +296,7 @@ class ScriptedRunner(CheapRunner):
 def test_rate_auto_needs_the_default_to_fail_twice_at_a_rate(tmp_path: Path, script: list[float], rates: list[float],
                                                             chosen: float, words: str) -> None:
     runner = ScriptedRunner(script=script)
-    choice = choose_rate(runner, tmp_path, on_probe=lambda rate, outcome: None)  # type: ignore[arg-type]
+    choice = choose_rate(runner, tmp_path, on_probe=lambda rate, outcome: None)
     assert [c["rate"] for c in runner.calls] == rates and [p["rate"] for p in choice.probes] == rates
     assert choice.rate == chosen and words in choice.reason
 

@@ -1,1 +1,1 @@
-"""slotune's tuner package (see ../shared/DESIGN.md)."""
+"""slotune's tuner package (docs/architecture.md)."""

@@ -15,30 +15,14 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
-from loadtest.durations import parse_duration
 from policies import OBJECTIVES, SAMPLERS, Policy, PolicyError, load_policy
+from tuner.flags import CliError, check_workload, duration_arg
 
 PROG = "tune"
-
-
-class CliError(Exception):
-    """A bad flag value: printed as `tune: error: MESSAGE`, exit 2."""
-
-
-def duration_arg(text: str) -> float:
-    """argparse type of a positive duration flag: ``50ms``, ``2s``, ``1m``."""
-    try:
-        v = parse_duration(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return v
 
 
 def _rate_arg(text: str) -> float | None:
@@ -146,21 +130,6 @@ def check_args(args: argparse.Namespace) -> str | None:
     if not args.out.endswith((".yaml", ".yml")):
         raise CliError(f"argument --out: must be a .yaml file, got {args.out!r}")
     return token
-
-
-def check_workload(policy: Policy) -> None:
-    """Build the load schedule once now, so a bad trace fails before any engine starts."""
-    from loadtest.config import LoadConfig
-    from loadtest.schedule import build_schedule
-
-    w = policy.workload
-    extra = {k: v for k, v in (("mix", w.mix), ("mix_weights", w.mix_weights)) if v}
-    try:
-        build_schedule(LoadConfig(workload=w.name, rate=policy.rate or 1.0, duration=policy.trial_duration,
-                                  length_scale=w.length_scale, time_scale=w.time_scale, max_context=w.max_context,
-                                  trace_offset=w.trace_offset, **extra))
-    except (ValueError, OSError) as error:
-        raise CliError(f"argument --workload: {error}") from None
 
 
 def _interrupt(signum: int, frame: Any) -> NoReturn:

@@ -16,7 +16,7 @@ from tuner.trial_runner import TrialOutcome, TrialRunner
 
 CONSTRAINTS_ATTR = "constraints"  # the user attr constraints_func reads (Optuna stores its result in system attrs)
 FAILED_VIOLATION = 1.0  # seconds: what a trial with no measurement violates each target by
-CAPACITY_ATTAINMENT = 0.9  # DESIGN.md: capacity = the highest rate with attainment >= 90 %
+CAPACITY_ATTAINMENT = 0.9  # capacity (DistServe's definition) = the highest rate with attainment >= 90 %
 
 
 def suggest_knobs(trial: optuna.Trial, policy: Policy) -> dict[str, Any]:
@@ -91,7 +91,7 @@ def evaluate_capacity(runner: TrialRunner, knobs: dict[str, Any], out_dir: Path,
     rate = runner.rate
     best: TrialOutcome | None = None
     last: TrialOutcome | None = None
-    record = []
+    record: list[dict[str, Any]] = []
     for i in range(probes):
         o = runner.run(knobs, out_dir / f"probe-{i}", rate=rate)
         att = o.summary.get("attainment") if o.summary else None

@@ -10,18 +10,13 @@ from typing import Any
 import optuna
 import yaml
 
-from loadtest.durations import format_duration
+from engine.knobs import KNOBS, short_label
+from slotune.units import format_duration
 from tuner.study import feasible, measured
 
-# knob -> vLLM `serve` flag (DESIGN.md "Knobs"); knobs without a counterpart are listed as comments
-VLLM_FLAGS = {
-    "max_num_seqs": "--max-num-seqs",
-    "max_num_batched_tokens": "--max-num-batched-tokens",
-    "chunk_size": "--long-prefill-token-threshold",
-    "block_size": "--block-size",
-    "num_kv_blocks": "--num-gpu-blocks-override",
-    "max_model_len": "--max-model-len",
-}
+# The knobs a report line shows by default (the scheduling knobs the tuner searches).
+REPORTED_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "block_size", "prefill_token_ratio",
+                  "preemption_mode")
 HF_NAMES = {"SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 MEASURE_KEYS = ("goodput_rps", "goodput_tokens_per_s", "attainment", "tbt_p50", "tbt_p99", "ttft_p50", "ttft_p99",
                 "e2e_p99", "throughput_rps", "offered_rps", "requests", "completed")
@@ -39,25 +34,24 @@ def vllm_model_name(model: str | None) -> str:
 
 
 def vllm_command(knobs: dict[str, Any], model: str | None) -> str:
-    """The ``vllm serve`` command line with the same knobs (chunked prefill on: chunk_size needs it)."""
+    """The ``vllm serve`` command line with the same knobs (chunked prefill on: chunk_size needs it); a knob without
+    a vLLM flag is left out (`vllm_notes` says so)."""
     parts = ["vllm serve", vllm_model_name(model), "--enable-chunked-prefill"]
-    for knob, flag in VLLM_FLAGS.items():
-        if knobs.get(knob) is not None:
-            parts.append(f"{flag} {knobs[knob]}")
-    if "enable_prefix_caching" in knobs:
-        parts.append("--enable-prefix-caching" if knobs["enable_prefix_caching"] else "--no-enable-prefix-caching")
+    for knob in KNOBS:
+        value = knobs.get(knob.name)
+        if knob.vllm_flag is None or value is None:
+            continue
+        if knob.type is bool:
+            parts.append(knob.vllm_flag if value else knob.vllm_flag.replace("--", "--no-", 1))
+        else:
+            parts.append(f"{knob.vllm_flag} {value}")
     return " \\\n    ".join(parts)
 
 
 def vllm_notes(knobs: dict[str, Any]) -> list[str]:
-    notes = []
-    if knobs.get("prefill_token_ratio", 1.0) != 1.0:
-        notes.append(f"prefill_token_ratio={knobs['prefill_token_ratio']} has no vLLM flag (vLLM: no cap, 1.0)")
-    if knobs.get("preemption_mode", "recompute") != "recompute":
-        notes.append(f"preemption_mode={knobs['preemption_mode']}: vLLM v1 preempts by recompute only")
-    if knobs.get("kv_cache_bytes") is not None and knobs.get("num_kv_blocks") is None:
-        notes.append(f"KV pool {knobs['kv_cache_bytes']} bytes here; on a GPU size it with --gpu-memory-utilization")
-    return notes
+    """What the vLLM command cannot carry: each knob without a vLLM flag that is not at its default."""
+    return [f"{k.name}={knobs[k.name]}: {k.vllm_note}" for k in KNOBS
+            if k.vllm_note and k.name in knobs and knobs[k.name] not in (None, k.default)]
 
 
 def write_vllm(path: Path, knobs: dict[str, Any], model: str | None) -> str:
@@ -151,10 +145,9 @@ def _esc(s: Any) -> str:
 
 
 def short_knobs(knobs: dict[str, Any], names: list[str] | None = None) -> str:
-    abbrev = {"max_num_seqs": "seqs", "max_num_batched_tokens": "budget", "chunk_size": "chunk",
-              "block_size": "block", "prefill_token_ratio": "ratio", "preemption_mode": "preempt"}
-    names = names or list(abbrev)
-    return " ".join(f"{abbrev.get(k, k)}={knobs[k]}" for k in names if k in knobs)
+    """``seqs=8 budget=128 ...``: the knobs by their short labels (engine.knobs)."""
+    names = names or list(REPORTED_KNOBS)
+    return " ".join(f"{short_label(k)}={knobs[k]}" for k in names if k in knobs)
 
 
 def _hover(t: optuna.trial.FrozenTrial) -> str:

@@ -18,6 +18,7 @@ import optuna
 
 from policies import Policy
 from tuner.objective import goodput, suggest_knobs
+from tuner.output import short_knobs
 from tuner.simulator_trial import SimTrialRunner
 from tuner.trial_runner import TrialOutcome, TrialRunner
 
@@ -71,7 +72,7 @@ def sim_runner_like(runner: TrialRunner, profile: str | Path | None = None,
     """A simulated twin of a real TrialRunner: same workload, rate, window, SLO, seed and base config; step times
     from ``profile`` (default: $SLOTUNE_PROFILE, else the shipped profile), rescaled to the engine's ``measured``
     step records when there are enough of them (StepTimeModel.rescaled; the scale is in ``timer.meta``)."""
-    from tuner.simulator_cli import limits_of, profile_path
+    from tuner.simulator import limits_of, profile_path
     from tuner.step_time_model import StepTimeModel
 
     model = StepTimeModel.load(profile_path(str(profile) if profile else None))
@@ -178,10 +179,8 @@ def format_rows(rows: list[tuple[Any, dict[str, Any], dict[str, Any], dict[str, 
         return "-" if v is None else f"{v:.2f}"
 
     lines = [f"{'#':>2} {'config':<56} {'goodput sim/real':>17} {'p99 TBT sim/real':>18} {'p99 TTFT sim/real':>19}"]
-    short = {"max_num_seqs": "seqs", "max_num_batched_tokens": "tokens", "chunk_size": "chunk",
-             "block_size": "block", "prefill_token_ratio": "ratio"}
     for rank_, knobs, p, m in rows:
-        cfg = " ".join(f"{short[k]}={knobs[k]}" for k in short if k in knobs)[:56]
+        cfg = short_knobs(knobs)[:56]
         lines.append(f"{rank_!s:>2} {cfg:<56} {rps(p.get('goodput_rps')) + ' / ' + rps(m.get('goodput_rps')):>17} "
                      f"{ms(p.get('tbt_p99')) + ' / ' + ms(m.get('tbt_p99')):>18} "
                      f"{ms(p.get('ttft_p99')) + ' / ' + ms(m.get('ttft_p99')):>19}")

@@ -100,7 +100,8 @@ def run_method(method: str, policy: Policy, table: dict[str, Point], trials: int
     best, curve = 0.0, []
     if method == "grid":
         for knobs in (grid or grid_configs(policy))[:trials]:
-            p = table[key(knobs)]
+            p: Point | None = table[key(knobs)]
+            assert p is not None
             best = max(best, p.goodput) if p.feasible else best
             curve.append(best)
         return curve

@@ -13,7 +13,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from loadtest.durations import format_duration
+from slotune.units import format_duration
 from policies import Policy
 from tuner.engine_handle import EngineError, EngineHandle, ManagedEngine
 from tuner.output import short_knobs, write_report, write_tuned_yaml, write_vllm
@@ -69,7 +69,7 @@ class TuneSession:
         if self.handle is not None and self.original_config is not None and not self.applied:
             try:  # a given engine gets back the config it had before the study
                 self.handle.patch_config(self.original_config)
-            except Exception:  # noqa: BLE001 - best effort on the way out
+            except Exception:  # best effort on the way out
                 pass
         if self.managed is not None:
             self.managed.stop()

@@ -24,8 +24,10 @@ and the engine's step records (``engine.step_record.StepRecord``).
 from __future__ import annotations
 
 import collections
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from engine.config import EngineConfig, ModelLimits
@@ -37,11 +39,24 @@ from loadtest.records import RequestRecord
 from loadtest.summary import SLO, summarize
 from loadtest.tokens import UNIQUE, PromptBuilder, TokenSpace
 from loadtest.workloads import RequestSpec
-from tuner.step_time_model import StepFn
+from tuner.step_time_model import StepFn, StepTimeModel
 
 # The default model's limits (SmolLM2-135M in float32: 8192 tokens of context, 2 x 30 layers x 3 KV heads x 64 x 4 B
 # per token); a profile made by `slotune calibrate` carries the limits of the engine it measured.
 DEFAULT_LIMITS = ModelLimits(max_context_len=8192, kv_bytes_per_token=46080)
+DEFAULT_PROFILE = Path(__file__).with_name("default_profile.json")
+
+
+def profile_path(given: str | None) -> Path:
+    """--profile, else $SLOTUNE_PROFILE, else the profile shipped for the default engine on a small CPU machine."""
+    return Path(given or os.environ.get("SLOTUNE_PROFILE") or DEFAULT_PROFILE)
+
+
+def limits_of(model: StepTimeModel) -> ModelLimits:
+    """The model limits a step-time profile was measured with (the simulator's defaults where it does not say)."""
+    lim = model.meta.get("limits") or {}
+    return ModelLimits(max_context_len=int(lim.get("max_context_len", DEFAULT_LIMITS.max_context_len)),
+                       kv_bytes_per_token=int(lim.get("kv_bytes_per_token", DEFAULT_LIMITS.kv_bytes_per_token)))
 # Unique prompts get ids from here on: far above any vocabulary, so they never meet a real token id.
 _UNIQUE_BASE = 1 << 40
 _DUMMY_TOKEN = 0
@@ -193,9 +208,9 @@ def simulate(requests: list[RequestSpec], config: EngineConfig, timer: StepTimer
         # Clients that gave up on a request that never produced a token: the engine aborts it.
         while deadlines and deadlines[0][0] <= t:
             _, j = deadlines.popleft()
-            seq = seq_of[j]
-            if seq is not None and not seq.status.finished and not times[seq]:
-                sched.abort(seq.request_id)
+            given_up = seq_of[j]
+            if given_up is not None and not given_up.status.finished and not times[given_up]:
+                sched.abort(given_up.request_id)
                 errors[j] = f"timeout: nothing received for {options.request_timeout:g}s"
         if t > end_time:
             break

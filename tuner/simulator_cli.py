@@ -4,41 +4,27 @@ times from a calibrated profile). Writes a trial folder (records.parquet, summar
 
     slotune simulate --max-num-seqs 8 --max-num-batched-tokens 128 --workload mixed --length-scale 0.125 \
         --rate 2 --duration 5m --slo-p99-tbt 50ms --out sim/mixed
-    slotune simulate --config tuned.yaml --workload ../shared/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
+    slotune simulate --config tuned.yaml --workload traces/azure2023/AzureLLMInferenceTrace_conv.csv \
         --rate 1 --length-scale 0.125 --max-context 2048 --duration 1h --profile profile.json --out sim/conv
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 from engine.cli import add_knob_arguments, knobs_from_args
-from engine.config import ConfigError, EngineConfig, ModelLimits
+from engine.config import ConfigError, EngineConfig
 from loadtest.config import OPTIONS, LoadConfig
 from loadtest.summary import SLO, format_summary_table
+from tuner.simulator import limits_of, profile_path
 from tuner.step_time_model import ProfileError, StepTimeModel
 
-DEFAULT_PROFILE = Path(__file__).with_name("default_profile.json")
 # Load-test flags that mean nothing without a server.
 _SKIPPED = {"model", "out", "records-format", "lag-warn"}
-
-
-def profile_path(given: str | None) -> Path:
-    """--profile, else $SLOTUNE_PROFILE, else the profile shipped for the default engine on a small CPU machine."""
-    return Path(given or os.environ.get("SLOTUNE_PROFILE") or DEFAULT_PROFILE)
-
-
-def limits_of(model: StepTimeModel) -> ModelLimits:
-    from tuner.simulator import DEFAULT_LIMITS
-
-    lim = model.meta.get("limits") or {}
-    return ModelLimits(max_context_len=int(lim.get("max_context_len", DEFAULT_LIMITS.max_context_len)),
-                       kv_bytes_per_token=int(lim.get("kv_bytes_per_token", DEFAULT_LIMITS.kv_bytes_per_token)))
 
 
 def build_parser() -> argparse.ArgumentParser:

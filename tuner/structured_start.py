@@ -122,9 +122,9 @@ def start_config(study: optuna.Study, policy: Policy) -> tuple[dict[str, Any], s
                 best = t
         else:
             hi = min(hi, i)
-    i = _bisect_next(values, lo, hi, line.log)
-    if i is not None:
-        return {**center, LINE_KNOB: values[i]}, "line"
+    following = _bisect_next(values, lo, hi, line.log)
+    if following is not None:
+        return {**center, LINE_KNOB: values[following]}, "line"
     if best is None:
         return None  # nothing on the line meets the SLO: TPE searches the whole space
     bases = [dict(best.params)] + ([{**best.params, LINE_KNOB: values[hi]}] if hi < len(values) else [])

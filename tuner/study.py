@@ -11,7 +11,6 @@ config (enqueued as the first trial) is measured once.
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import threading
@@ -19,7 +18,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import optuna
 from optuna.trial import TrialState
@@ -76,7 +75,7 @@ def open_storage(spec: str | None) -> optuna.storages.BaseStorage:
                                           if not spec.startswith("sqlite") else None)
     except StorageError:
         raise
-    except Exception as error:  # noqa: BLE001 - SQLAlchemy/driver errors come in many types
+    except Exception as error:  # SQLAlchemy/driver errors come in many types
         text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise StorageError(f"cannot open {_masked(spec)!r}: {text}") from None
 
@@ -86,7 +85,7 @@ def _masked(url: str) -> str:
     try:
         from sqlalchemy.engine import make_url
         return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - not a URL at all
+    except Exception:  # not a URL at all
         return url
 
 
@@ -122,7 +121,7 @@ def make_sampler(policy: Policy, seed: int | None = None) -> optuna.samplers.Bas
     raise ValueError(f"unknown sampler {policy.sampler!r}")
 
 
-def directions(policy: Policy) -> list[str]:
+def directions(policy: Policy) -> list[Literal["maximize", "minimize"]]:
     # NSGA-II: the Pareto front of goodput against p99 TBT
     return ["maximize", "minimize"] if policy.sampler == "nsga2" else ["maximize"]
 
@@ -178,7 +177,7 @@ class Heartbeat:
         while True:
             try:
                 self.trial.set_user_attr("heartbeat", time.time())
-            except Exception:  # noqa: BLE001 - a storage hiccup must not kill the trial; the next beat retries
+            except Exception:  # a storage hiccup must not kill the trial; the next beat retries
                 pass
             if self._stop.wait(self.interval):
                 return
@@ -387,6 +386,3 @@ def study_name_for(policy: Policy, rate: float | None) -> str:
     r = "auto" if rate is None else f"{rate:g}rps"
     return f"tune-{wl}-x{policy.workload.length_scale:g}-tbt{policy.slo.tbt_p99 * 1000:g}ms-{r}-{policy.objective}"
 
-
-def is_finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)

@@ -25,41 +25,32 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
-from loadtest.durations import format_duration
-from policies import Policy, PolicyError, load_policy
-from policies.policy import KNOB_TYPES, SLOTargets, knob_value
-from tuner.cli import CliError, duration_arg, check_workload
+from slotune.units import format_duration
+from engine.knobs import KNOB_BY_NAME, KNOB_NAMES
+from policies import Policy, PolicyError, SLOTargets, load_policy
+from tuner.flags import CliError, check_workload, duration_arg
 
 PROG = "slotune sweep"
 SWEEP_FORMAT = "slotune-sweep/1"
 
 
-def parse_knob_value(knob: str, text: str, flag: str) -> Any:
-    """A knob value from the command line, typed and checked as the policy checks it; errors name the flag."""
-    kind = KNOB_TYPES[knob]
-    raw = text.strip()
+def parse_knob_value(name: str, text: str, flag: str) -> Any:
+    """A knob value from the command line, typed and checked as engine.knobs describes it; errors name the flag."""
+    knob = KNOB_BY_NAME[name]
     try:
-        if knob == "chunk_size" and raw.lower() in ("none", "auto"):
-            value: Any = None
-        elif kind is bool:
-            if raw.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
-                raise ValueError(f"expected true or false, got {raw!r}")
-            value = raw.lower() in ("true", "1", "yes", "on")
-        elif kind is str:
-            value = raw
-        else:
-            value = kind(raw)
-        return knob_value(knob, value, flag)
-    except PolicyError as error:
-        raise CliError(f"argument {error}") from None
+        value = knob.parse(text)
     except ValueError:
-        raise CliError(f"argument {flag}: {knob} takes {kind.__name__} values, got {raw!r}") from None
+        raise CliError(f"argument {flag}: {name} takes {knob.type.__name__} values, got {text.strip()!r}") from None
+    reason = knob.check(value)
+    if reason is not None:
+        raise CliError(f"argument {flag}: {reason}, got {value!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--knob", required=True, choices=list(KNOB_TYPES), metavar="KNOB",
-                   help=f"the knob to vary: {', '.join(KNOB_TYPES)}")
+    p.add_argument("--knob", required=True, choices=KNOB_NAMES, metavar="KNOB",
+                   help=f"the knob to vary: {', '.join(KNOB_NAMES)}")
     p.add_argument("--values", required=True, metavar="V1,V2,...", help="its values, e.g. 4,8,16,32")
     p.add_argument("--rate", required=True, type=float, metavar="R", help="offered load in requests/s")
     p.add_argument("--duration", type=duration_arg, metavar="DURATION",
@@ -79,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "(default: $SLOTUNE_PROFILE, else the shipped one)")
     fixed = p.add_argument_group("other knobs, fixed for every point (default: the policy's fixed knobs, then the "
                                  "engine's config)")
-    for knob in KNOB_TYPES:
+    for knob in KNOB_NAMES:
         fixed.add_argument("--" + knob.replace("_", "-"), dest="fixed_" + knob, metavar="V")
     return p
 
@@ -113,7 +104,7 @@ def plan_from_args(args: argparse.Namespace) -> SweepPlan:
     except PolicyError as error:
         raise CliError(f"argument --policy: {error}") from None
     fixed = dict(policy.fixed)
-    for knob in KNOB_TYPES:
+    for knob in KNOB_NAMES:
         text = getattr(args, "fixed_" + knob)
         if text is None:
             continue
@@ -196,7 +187,7 @@ def engine_runner(plan: SweepPlan, engine: Any) -> Any:
 def simulator_runner(plan: SweepPlan) -> Any:
     """The simulator's SimTrialRunner (same run(knobs, out_dir) -> TrialOutcome), with the calibrated profile."""
     from loadtest.summary import SLO
-    from tuner.simulator_cli import limits_of, profile_path
+    from tuner.simulator import limits_of, profile_path
     from tuner.simulator_trial import SimTrialRunner
     from tuner.step_time_model import ProfileError, StepTimeModel
 
@@ -275,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         if handle is not None and original is not None:
             try:
                 handle.patch_config(original)
-            except Exception as error:  # noqa: BLE001 - report, the sweep's results are already written
+            except Exception as error:  # report, the sweep's results are already written
                 print(f"{PROG}: could not restore the engine's config: {error}", file=sys.stderr)
     print(f"wrote {plan.out / 'sweep.json'}; see it with: slotune dashboard --results {plan.out.parent}")
     return 0

@@ -1,6 +1,8 @@
 """Durations as people write them: ``50ms``, ``2s``, ``1.5m``, ``1h``, ``1m30s``, ``250us``; a bare number is seconds.
 
-One small shared parser, used by ``slotune loadtest`` and reused by the tuner for SLO targets and windows.
+The project's one duration parser and formatter: the load generator's options, the policies' SLO targets and
+windows, and the tuner's flags read durations here. Standard library only, so every layer may import it (the
+policies never import the load generator).
 """
 
 from __future__ import annotations
