@@ -62,6 +62,7 @@ class EngineConfig:
     @classmethod
     def create(cls, limits: ModelLimits, **knobs: Any) -> EngineConfig:
         _reject_unknown(knobs)
+        _check_knob_types(knobs)
         config = cls(**knobs)
         config.validate(limits)
         return config
@@ -69,6 +70,7 @@ class EngineConfig:
     def updated(self, limits: ModelLimits, **changes: Any) -> EngineConfig:
         """A validated copy with `changes` applied and the next generation number; `self` is untouched."""
         _reject_unknown(changes)
+        _check_knob_types(changes)
         new = dataclasses.replace(self, **changes, generation=self.generation + 1)
         new.validate(limits, changed=set(changes))
         return new
@@ -158,6 +160,30 @@ def _reject_unknown(knobs: dict[str, Any]) -> None:
     unknown = sorted(set(knobs) - set(EngineConfig.knob_names()))
     if unknown:
         raise ConfigError(unknown[0], knobs[unknown[0]], f"unknown knob; known knobs: {', '.join(EngineConfig.knob_names())}")
+
+
+def _check_knob_types(knobs: dict[str, Any]) -> None:
+    """Reject a value of the wrong type for its knob (a JSON 5.0 for an integer, "64" for a number, null for a
+    knob that has no 'auto'), naming the knob, before the values are checked."""
+    for f in dataclasses.fields(EngineConfig):
+        if f.name not in knobs:
+            continue
+        value, kind = knobs[f.name], str(f.type)
+        optional = "None" in kind
+        if value is None:
+            if optional:
+                continue
+            raise ConfigError(f.name, value, "must not be null")
+        if kind.startswith("int"):
+            ok, allowed = isinstance(value, int) and not isinstance(value, bool), "must be an integer"
+        elif kind.startswith("float"):
+            ok, allowed = isinstance(value, (int, float)) and not isinstance(value, bool), "must be a number"
+        elif kind.startswith("bool"):
+            ok, allowed = isinstance(value, bool), "must be true or false"
+        else:
+            ok, allowed = isinstance(value, str), "must be a string"
+        if not ok:
+            raise ConfigError(f.name, value, allowed + (" or null" if optional else ""))
 
 
 def _check_int(config: EngineConfig, knob: str, low: int, high: int | None = None) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -31,15 +31,18 @@ class LLM:
     def step_records(self, since: int = -1) -> list[StepRecord]:
         return self.engine.step_records(since)
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
+    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order."""
+        batch: list[str | list[int]]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+            batch = [cast("str | list[int]", prompts)]
+        else:
+            batch = cast("list[str | list[int]]", list(prompts))
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(batch)
+        if len(params_list) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(params_list)} sampling params")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(batch, params_list)]
         results: dict[str, RequestOutput] = {}
         wanted = set(ids)
         while len(results) < len(ids):
