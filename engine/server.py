@@ -10,13 +10,16 @@ import socket
 import threading
 from collections.abc import Iterator
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from engine.api import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
 from engine.engine_loop import EngineLoop
-from engine.llm_engine import LLMEngine
 from engine.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
 
 # After the shutdown timeout aborts the requests in flight, this long for their final events to be written before
 # uvicorn cancels what is still running.
