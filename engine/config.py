@@ -62,7 +62,6 @@ class EngineConfig:
     @classmethod
     def create(cls, limits: ModelLimits, **knobs: Any) -> EngineConfig:
         _reject_unknown(knobs)
-        _check_knob_types(knobs)
         config = cls(**knobs)
         config.validate(limits)
         return config
@@ -70,7 +69,6 @@ class EngineConfig:
     def updated(self, limits: ModelLimits, **changes: Any) -> EngineConfig:
         """A validated copy with `changes` applied and the next generation number; `self` is untouched."""
         _reject_unknown(changes)
-        _check_knob_types(changes)
         new = dataclasses.replace(self, **changes, generation=self.generation + 1)
         new.validate(limits, changed=set(changes))
         return new
@@ -101,8 +99,10 @@ class EngineConfig:
 
     # Validation ----------------------------------------------------------------------------------------------
     def validate(self, limits: ModelLimits, changed: set[str] | None = None) -> None:
-        """Raise ConfigError for the first bad knob. Where two knobs conflict, the error names the one that
-        `changed` says the caller just set."""
+        """Raise ConfigError for the first bad knob. Each check covers a knob's type and its range together (a JSON
+        5.0, "64", true or null where an integer belongs fails like 0 does, with the allowed range), so this is the
+        one validation of a knob value. Where two knobs conflict, the error names the one that `changed` says the
+        caller just set."""
         changed = changed if changed is not None else set(self.knob_names())
         _check_int(self, "max_num_seqs", low=1)
         _check_int(self, "max_num_batched_tokens", low=1)
@@ -160,30 +160,6 @@ def _reject_unknown(knobs: dict[str, Any]) -> None:
     unknown = sorted(set(knobs) - set(EngineConfig.knob_names()))
     if unknown:
         raise ConfigError(unknown[0], knobs[unknown[0]], f"unknown knob; known knobs: {', '.join(EngineConfig.knob_names())}")
-
-
-def _check_knob_types(knobs: dict[str, Any]) -> None:
-    """Reject a value of the wrong type for its knob (a JSON 5.0 for an integer, "64" for a number, null for a
-    knob that has no 'auto'), naming the knob, before the values are checked."""
-    for f in dataclasses.fields(EngineConfig):
-        if f.name not in knobs:
-            continue
-        value, kind = knobs[f.name], str(f.type)
-        optional = "None" in kind
-        if value is None:
-            if optional:
-                continue
-            raise ConfigError(f.name, value, "must not be null")
-        if kind.startswith("int"):
-            ok, allowed = isinstance(value, int) and not isinstance(value, bool), "must be an integer"
-        elif kind.startswith("float"):
-            ok, allowed = isinstance(value, (int, float)) and not isinstance(value, bool), "must be a number"
-        elif kind.startswith("bool"):
-            ok, allowed = isinstance(value, bool), "must be true or false"
-        else:
-            ok, allowed = isinstance(value, str), "must be a string"
-        if not ok:
-            raise ConfigError(f.name, value, allowed + (" or null" if optional else ""))
 
 
 def _check_int(config: EngineConfig, knob: str, low: int, high: int | None = None) -> None:
