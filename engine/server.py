@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from engine.api import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
+from engine.api.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
 from engine.engine_loop import EngineLoop
 from engine.metrics import ServerMetrics
 

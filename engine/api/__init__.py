@@ -8,7 +8,3 @@ a token, 404 unknown model or path, 409 a confirmation of a generation not under
 --max-body-bytes, 422 bad knob value (naming the knob), 429 more requests waiting beyond the free running slots
 than --max-waiting-requests (with Retry-After), 500 the engine failed this request, 503 shutting down.
 """
-
-from engine.api.app import DEFAULT_MAX_BODY_BYTES, ServerSettings, build_app
-
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "ServerSettings", "build_app"]
