@@ -103,8 +103,10 @@ class EngineConfig:
 
     # Validation ----------------------------------------------------------------------------------------------
     def validate(self, limits: ModelLimits, changed: set[str] | None = None) -> None:
-        """Raise ConfigError for the first bad knob. Where two knobs conflict, the error names the one that
-        `changed` says the caller just set."""
+        """Raise ConfigError for the first bad knob. Each check covers a knob's type and its range together (a JSON
+        5.0, "64", true or null where an integer belongs fails like 0 does, with the allowed range), so this is the
+        one validation of a knob value. Where two knobs conflict, the error names the one that `changed` says the
+        caller just set."""
         changed = changed if changed is not None else set(self.knob_names())
         # Each knob on its own, as engine.knobs describes it; num_kv_blocks last, with the pool's needs.
         for name in self.knob_names():

@@ -31,7 +31,7 @@ class LLM:
     def step_records(self, since: int = -1) -> list[StepRecord]:
         return self.engine.step_records(since)
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
+    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order."""
         one = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))

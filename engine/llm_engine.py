@@ -1,14 +1,21 @@
 """The engine: requests in, one scheduled and executed step at a time, outputs and step records out.
 
-Thread-safe: the server's engine loop calls `step()` while front-end threads add, abort and reconfigure; a lock
-serializes them, so a config update or an abort always lands at a step boundary.
+One thread owns an engine (the caller offline, the engine loop's thread in the server) and makes every call, so
+requests, aborts and config changes land between steps by construction and the engine needs no lock. The one
+exception is the step-record ring buffer, which has its own lock: the server reads it from its event loop.
+
+Two entry points check what comes in once: `admit` (the server's requests: prompts tokenized once, every limit
+checked before anything is queued, all prompts or none) and `validate_update` + `apply_config` (a knob change
+validated once, then applied at the step boundary).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import threading
 import time
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,10 +24,13 @@ import torch
 
 from engine.config import RELAYOUT_KNOBS, EngineConfig, ModelLimits
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequest, QueueFull
 from engine.kv_cache import KVCache
+from engine.memory import KVMemoryGuard
 from engine.model import LlamaModel
 from engine.model_loader import ModelConfig, load_state_dict, resolve_model_dir
 from engine.model_runner import ModelRunner
+from engine.prompt import Prompt
 from engine.sampler import SamplingRow
 from engine.sampling_params import RequestOutput, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -71,7 +81,6 @@ class LLMEngine:
         self.recorder = StepRecorder(step_record_capacity, step_log)
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
-        self._lock = threading.RLock()
         self._step_index = 0
         self._request_counter = itertools.count()
         self._pending_outputs: list[RequestOutput] = []  # requests a config change ended between steps
@@ -101,83 +110,163 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
-        """Queue a request; raises ValueError (and changes nothing) for a bad prompt or a duplicate id."""
+        """Queue a request (the offline API: `params.max_tokens` as given; a generation that reaches
+        max_model_len ends with "length"); raises ValueError (and changes nothing) for a bad prompt or a
+        duplicate id."""
         params = params or SamplingParams()
+        self._check_stop_token_ids(params)
+        request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
+        self._enqueue(self.tokenize(prompt), params, request_id, priority, arrival_time)
+        return request_id
+
+    def admit(self, prompts: SequenceOf[Prompt], params: SamplingParams, *, request_ids: SequenceOf[str],
+              max_tokens: int | None, priority: int = 0, arrival_time: float | None = None,
+              max_waiting: int | None = None) -> list[int]:
+        """Check a server request once and queue one engine request per prompt, all or none; returns the prompts'
+        token counts. `max_tokens`: the completion length the client asked for (prompt and completion must fit
+        max_model_len), None for what the context leaves after each prompt. `max_waiting`: how many requests
+        may wait beyond the free slots of max_num_seqs. Raises InvalidRequest (a retry cannot succeed) or
+        QueueFull (it may, later); a tokenizer that fails otherwise raises its own error."""
+        self._check_room(len(prompts), max_waiting)
+        self._check_stop_token_ids(params)
+        token_lists = [self._prompt_token_ids(p) for p in prompts]
+        params_list = [self._fitted(ids, params, max_tokens) for ids in token_lists]
+        added: list[str] = []
+        try:
+            for rid, ids, fitted in zip(request_ids, token_lists, params_list):
+                self._enqueue(ids, fitted, rid, priority, arrival_time)
+                added.append(rid)
+        except ValueError as error:
+            for rid in added:
+                self.abort_request(rid)
+            raise InvalidRequest(str(error), param="prompt") from None
+        return [len(ids) for ids in token_lists]
+
+    def _check_room(self, num_prompts: int, max_waiting: int | None) -> None:
+        if max_waiting is None:
+            return
+        slots = self.config.max_num_seqs
+        if num_prompts > slots + max_waiting:
+            raise InvalidRequest(
+                f"the request has {num_prompts} prompts; this server takes at most {slots + max_waiting} at once "
+                f"(max_num_seqs {slots} running + {max_waiting} waiting)", param="prompt")
+        scheduler = self.scheduler
+        free = max(0, slots - scheduler.num_running)
+        queued = len(scheduler.waiting) + len(scheduler.preempted)
+        if queued + num_prompts - free > max_waiting:
+            raise QueueFull(f"too many waiting requests ({queued} waiting for {free} free of {slots} running "
+                            f"slots; at most {max_waiting} may wait beyond them); retry later")
+
+    def _check_stop_token_ids(self, params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids in 0..{vocab - 1}")
-        token_ids = self.tokenize(prompt)
-        request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
+            raise InvalidRequest(f"stop_token_ids must be token ids in 0..{vocab - 1}", param="stop_token_ids")
+
+    def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        try:
+            if prompt.messages is not None:
+                return self.apply_chat_template(prompt.messages)
+            return self.tokenize(prompt.token_ids if prompt.token_ids is not None else prompt.text or "")
+        except (ValueError, TypeError, KeyError, IndexError) as error:
+            raise InvalidRequest(f"invalid prompt: {error}", param="prompt") from None
+        except Exception as error:
+            if type(error).__module__.startswith("jinja2"):  # the chat template rejected the conversation
+                raise InvalidRequest(f"invalid messages: {error}", param="messages") from None
+            raise
+
+    def _fitted(self, token_ids: list[int], params: SamplingParams, max_tokens: int | None) -> SamplingParams:
+        """`params` with the completion length of this prompt, which must fit the context with it."""
+        max_len, n_prompt = self.max_model_len, len(token_ids)
+        if n_prompt >= max_len:
+            return params  # the scheduler refuses the prompt itself, naming its length
+        wanted = max_tokens if max_tokens is not None else max_len - n_prompt
+        if n_prompt + wanted > max_len:
+            raise InvalidRequest(
+                f"this model's context (max_model_len) is {max_len} tokens, but {n_prompt + wanted} were requested "
+                f"({n_prompt} in the prompt, {wanted} for the completion)", param="max_tokens")
+        if wanted == params.max_tokens:
+            return params
+        try:
+            return dataclasses.replace(params, max_tokens=wanted)
+        except ValueError as error:
+            raise InvalidRequest(str(error)) from None
+
+    def _enqueue(self, token_ids: list[int], params: SamplingParams, request_id: str, priority: int,
+                 arrival_time: float | None) -> None:
         seq = Sequence(request_id=request_id, prompt_token_ids=token_ids, params=params,
                        eos_token_ids=self.eos_token_ids, priority=priority,
                        arrival_time=arrival_time if arrival_time is not None else time.time())
         generator = torch.Generator(device="cpu").manual_seed(params.seed) if params.seed is not None else None
-        with self._lock:
-            self.scheduler.add(seq)
-            self._requests[request_id] = _Request(
-                seq, IncrementalDetokenizer(self.tokenizer, params.stop),
-                SamplingRow(params, generator, 0, self.eos_token_ids))
-        return request_id
+        self.scheduler.add(seq)  # raises ValueError for an empty or over-long prompt, or a duplicate id
+        self._requests[request_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop),
+                                              SamplingRow(params, generator, 0, self.eos_token_ids))
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request wherever it is; its blocks are freed at once. False if it is not in flight."""
-        with self._lock:
-            request = self._requests.pop(request_id, None)
-            if request is None:
-                return False
-            self.scheduler.abort(request_id)
-            self._count_finished(request.seq)
-            return True
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.abort(request_id)
+        self._count_finished(request.seq)
+        return True
 
     def has_unfinished_requests(self) -> bool:
-        with self._lock:
-            return bool(self._requests or self._pending_outputs)
+        return bool(self._requests or self._pending_outputs)
 
     # Config -----------------------------------------------------------------------------------------------------
     def update_config(self, **knobs: Any) -> EngineConfig:
-        """Validate and apply a knob update at the next step boundary; all-or-nothing (raises ConfigError and
-        changes nothing on a bad value). Changing the KV layout recomputes running sequences; none is lost."""
-        with self._lock:
-            new = self.config.updated(self.limits, **knobs)
-            self.scheduler.check_config(new)
-            # Allocate the new cache before the scheduler switches, so a failed allocation changes nothing.
-            new_cache = self._new_kv_cache(new) if new.changed_knobs(self.config) & RELAYOUT_KNOBS else None
-            relayout, ended = self.scheduler.apply_config(new)
-            if relayout:
-                assert new_cache is not None
-                self.runner.kv_cache = new_cache
-            self.config = new
-            for seq in ended:
-                request = self._requests[seq.request_id]
-                self._finish_request(seq)
-                self._pending_outputs.append(self._output(request, [], request.detokenizer.pop_new_text(True)))
-            return new
+        """Validate and apply a knob update; all-or-nothing (raises ConfigError and changes nothing on a bad
+        value). Changing the KV layout recomputes running sequences; none is lost."""
+        return self.apply_config(self.validate_update(knobs))
+
+    def validate_update(self, knobs: Mapping[str, Any], memory_guard: KVMemoryGuard | None = None) -> EngineConfig:
+        """The config that `knobs` make, checked once: types and values (`EngineConfig`), the requests in flight
+        (scheduler) and, with a guard, the memory of a re-laid-out KV cache. Raises ConfigError; changes
+        nothing."""
+        new = self.config.updated(self.limits, **knobs)
+        self.scheduler.check_config(new)  # no request in flight may be stranded
+        if memory_guard is not None and new.changed_knobs(self.config) & RELAYOUT_KNOBS:
+            memory_guard.check(new, knobs, self.limits)
+        return new
+
+    def apply_config(self, new: EngineConfig) -> EngineConfig:
+        """Switch to a config from `validate_update`, at this step boundary."""
+        # Allocate the new cache before the scheduler switches, so a failed allocation changes nothing.
+        new_cache = self._new_kv_cache(new) if new.changed_knobs(self.config) & RELAYOUT_KNOBS else None
+        relayout, ended = self.scheduler.apply_config(new)
+        if relayout:
+            assert new_cache is not None
+            self.runner.kv_cache = new_cache
+        self.config = new
+        for seq in ended:
+            request = self._requests[seq.request_id]
+            self._finish_request(seq)
+            self._pending_outputs.append(self._output(request, [], request.detokenizer.pop_new_text(True)))
+        return new
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached prefix block that no running request holds; returns the number dropped."""
-        with self._lock:
-            return self.scheduler.kv.drop_free_cached()
+        return self.scheduler.kv.drop_free_cached()
 
     # Stepping ---------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step. Returns an output for every request that produced tokens or finished."""
-        with self._lock:
-            wall_start = time.time()
-            start = time.perf_counter()
-            out = self.scheduler.schedule()
-            schedule_s = time.perf_counter() - start
-            rows = {item.seq.request_id: self._requests[item.seq.request_id].row
-                    for item in out.scheduled if item.samples}
-            for item in out.scheduled:
-                if item.samples:
-                    rows[item.seq.request_id].num_output_tokens = item.seq.num_output_tokens
-            tokens, timings = self.runner.execute(out, rows)
-            self.scheduler.postprocess(out, tokens)
-            outputs = self._pending_outputs + self._collect_outputs(out)
-            self._pending_outputs = []
-            self._record(out, wall_start, schedule_s, timings.forward_s, timings.sample_s,
-                         time.perf_counter() - start)
-            return outputs
+        wall_start = time.time()
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        schedule_s = time.perf_counter() - start
+        rows = {item.seq.request_id: self._requests[item.seq.request_id].row
+                for item in out.scheduled if item.samples}
+        for item in out.scheduled:
+            if item.samples:
+                rows[item.seq.request_id].num_output_tokens = item.seq.num_output_tokens
+        tokens, timings = self.runner.execute(out, rows)
+        self.scheduler.postprocess(out, tokens)
+        outputs = self._pending_outputs + self._collect_outputs(out)
+        self._pending_outputs = []
+        self._record(out, wall_start, schedule_s, timings.forward_s, timings.sample_s,
+                     time.perf_counter() - start)
+        return outputs
 
     def _collect_outputs(self, out: SchedulerOutput) -> list[RequestOutput]:
         outputs = []

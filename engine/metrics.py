@@ -1,6 +1,6 @@
 """The server's Prometheus metrics (names and buckets: docs/architecture.md, "Metrics").
 
-Latency histograms are observed by the engine thread where tokens are produced; gauges and the counters that
+Latency histograms are observed by the engine thread where tokens are produced (`engine.latency`); gauges and the counters that
 mirror the engine's own totals (tokens, preemptions, prefix cache, finished requests) are read from the latest
 `EngineSnapshot` at scrape time, so they agree exactly with the engine and never double count.
 """
@@ -8,18 +8,16 @@ mirror the engine's own totals (tokens, preemptions, prefix cache, finished requ
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from engine.knobs import KNOB_BY_NAME
+from engine.snapshot import EngineSnapshot
 from engine.step_record import StepRecord
-
-if TYPE_CHECKING:
-    from engine.async_engine import EngineSnapshot
 
 __all__ = ["CONTENT_TYPE_LATEST", "LATENCY_BUCKETS", "TOKEN_BUCKETS", "ServerMetrics", "knob_values"]
 
@@ -42,7 +40,7 @@ def knob_values(snapshot: EngineSnapshot) -> dict[str, float]:
     return values
 
 
-class _SnapshotCollector:
+class _SnapshotCollector(Collector):
     def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
         self._snapshot = snapshot
 
@@ -93,7 +91,7 @@ class _SnapshotCollector:
 
 
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
         disable_created_metrics()  # no `_created` series (as vLLM): they double the scrape for nothing
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
         r = self.registry
@@ -122,7 +120,10 @@ class ServerMetrics:
         self.config_changes = Counter("slotune_config_updates", "Live config updates applied.", registry=r)
         self.http_responses = Counter("slotune_http_responses", "HTTP responses by path and status code.",
                                       ["path", "code"], registry=r)
-        r.register(_SnapshotCollector(snapshot))
+
+    def export_snapshots(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        """Export the gauges and engine totals of `snapshot()` (the latest one) at every scrape."""
+        self.registry.register(_SnapshotCollector(snapshot))
 
     def observe_step(self, record: StepRecord) -> None:
         self.step_duration.observe(record.total_s)

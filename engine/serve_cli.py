@@ -63,13 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0, help="seed of requests that do not give one")
     parser.add_argument("--max-waiting-requests", type=int, default=1024,
-                        help="more waiting requests than this get 429 (default 1024)")
+                        help="requests that may wait beyond the free slots of max_num_seqs; more get 429 with "
+                             "Retry-After, and one request with more prompts than both together gets 400 (default 1024)")
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20,
                         help="larger request bodies get 413 (default 4 MiB)")
     parser.add_argument("--max-kv-memory-bytes", type=int, default=None,
                         help="largest KV pool a live update may create (default: half the free memory)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
+                        help="on SIGTERM, seconds in-flight requests get to finish; then each ends with "
+                             "finish_reason \"abort\" (and [DONE] when streamed)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
     add_knob_arguments(parser)

@@ -48,7 +48,8 @@ class InProcessServer:
     """`create_server` around a real engine, run by uvicorn in a background thread of this process."""
 
     def __init__(self, admin_token: str | None = None, max_body_bytes: int = 1 << 20,
-                 max_waiting_requests: int = 1024, max_kv_memory_bytes: int | None = None, **knobs: Any) -> None:
+                 max_waiting_requests: int = 1024, max_kv_memory_bytes: int | None = None,
+                 shutdown_timeout: float = 5, **knobs: Any) -> None:
         from engine.llm_engine import LLMEngine
         from engine.server import create_server
 
@@ -58,7 +59,7 @@ class InProcessServer:
         self.server = create_server(self.engine, port=self.port, admin_token=admin_token,
                                     max_body_bytes=max_body_bytes, max_waiting_requests=max_waiting_requests,
                                     max_kv_memory_bytes=max_kv_memory_bytes, log_level="warning",
-                                    shutdown_timeout=5)
+                                    shutdown_timeout=shutdown_timeout)
         self.engine_loop = self.server.engine_loop
         self.model = self.engine.model_name
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)

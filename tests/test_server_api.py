@@ -145,13 +145,27 @@ def test_bad_requests(server: InProcessServer, client: openai.OpenAI) -> None:
 def test_queue_bound_gives_429(server: InProcessServer, client: openai.OpenAI) -> None:
     loop = server.engine_loop
     bound = loop.max_waiting_requests
-    loop.max_waiting_requests = 0
-    try:
-        with pytest.raises(openai.RateLimitError):
-            client.completions.create(model=server.model, prompt=PROMPT, max_tokens=2)
-    finally:
-        loop.max_waiting_requests = bound
+    # The bound counts requests waiting beyond the free running slots: one slot, held by a running stream.
+    slots = server.engine.config.max_num_seqs
+    in_engine_loop(server, loop.update_config({"max_num_seqs": 1}))
+    body = {"prompt": PROMPT, "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as holder:
+        lines = holder.iter_lines()  # kept open: a closed iterator would close the connection
+        next(lines)  # its first token: it runs
+        loop.max_waiting_requests = 0
+        try:
+            with pytest.raises(openai.RateLimitError):
+                client.completions.create(model=server.model, prompt=PROMPT, max_tokens=2)
+        finally:
+            loop.max_waiting_requests = bound
+        lines.close()
+    in_engine_loop(server, loop.update_config({"max_num_seqs": slots}))
     assert client.completions.create(model=server.model, prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
+
+
+def in_engine_loop(server: InProcessServer, command: Any) -> Any:
+    """Run an `EngineLoop` coroutine on the server's event loop from the test's thread."""
+    return asyncio.run_coroutine_threadsafe(command, server.engine_loop._loop).result(60)
 
 
 # Metrics --------------------------------------------------------------------------------------------------------

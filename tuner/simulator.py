@@ -1,7 +1,7 @@
 """The simulator: the engine's own Scheduler and KV-cache bookkeeping driven by a virtual clock.
 
 It makes exactly the calls the engine makes, in the same order (``engine.llm_engine.LLMEngine.step`` under the
-server's loop, ``engine.async_engine.EngineLoop``): requests that have arrived by a step boundary are added
+server's loop, ``engine.engine_loop.EngineLoop``): requests that have arrived by a step boundary are added
 (``Scheduler.add``), then ``schedule()``, then ``postprocess()`` with one sampled token per sequence that samples.
 Only the model is replaced: the step's duration comes from a step-time model (or from measured durations, replayed),
 and the sampled tokens are dummies, since a load test forces every output to its length (``ignore_eos`` +

@@ -11,16 +11,27 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine.async_engine import Prompt
+from engine.prompt import Prompt
 from engine.sampling_params import SamplingParams
 
 __all__ = [
-    "ChatCompletionRequest", "CompletionRequest", "ValidationError", "error_body", "format_validation_error",
-    "sse_event", "SSE_DONE",
+    "CHAT_COMPLETIONS",
+    "COMPLETIONS",
+    "SSE_DONE",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "Endpoint",
+    "ResponseMeta",
+    "ValidationError",
+    "error_body",
+    "format_validation_error",
+    "sse_event",
 ]
 
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
@@ -130,9 +141,9 @@ class CompletionRequest(_SamplingFields):
         if isinstance(p, str):
             return [Prompt(text=p)]
         if all(isinstance(x, int) for x in p):
-            return [Prompt(token_ids=list(p))]  # type: ignore[arg-type]
-        return [Prompt(text=x) if isinstance(x, str) else Prompt(token_ids=list(x))  # type: ignore[arg-type]
-                for x in p]
+            return [Prompt(token_ids=[x for x in p if isinstance(x, int)])]
+        return [Prompt(text=x) if isinstance(x, str) else Prompt(token_ids=list(x))
+                for x in p if not isinstance(x, int)]
 
 
 class TextPart(_Strict):
@@ -196,6 +207,15 @@ def format_validation_error(error: ValidationError) -> tuple[str, str | None]:
 
 
 # Responses ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What every response and chunk of one request repeats."""
+
+    request_id: str
+    created: int
+    model: str
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -217,37 +237,50 @@ def sse_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + _dumps(payload).encode("utf-8") + b"\n\n"
 
 
-def completion_chunk(request_id: str, created: int, model: str, index: int, text: str,
-                     finish_reason: str | None) -> dict[str, Any]:
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+def completion_chunk(meta: ResponseMeta, index: int, text: str, finish_reason: str | None,
+                     first: bool) -> dict[str, Any]:
+    return {"id": meta.request_id, "object": "text_completion", "created": meta.created, "model": meta.model,
             "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
 
 
-def chat_chunk(request_id: str, created: int, model: str, index: int, text: str, finish_reason: str | None,
-               first: bool) -> dict[str, Any]:
+def chat_chunk(meta: ResponseMeta, index: int, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
     delta = {"role": "assistant", "content": text} if first else {"content": text}
-    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+    return {"id": meta.request_id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
             "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
 
 
-def usage_chunk(request_id: str, created: int, model: str, obj: str, prompt_tokens: int,
-                completion_tokens: int) -> dict[str, Any]:
-    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
+def usage_chunk(meta: ResponseMeta, obj: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {"id": meta.request_id, "object": obj, "created": meta.created, "model": meta.model, "choices": [],
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def completion_response(request_id: str, created: int, model: str, texts: list[str],
-                        finish_reasons: list[str | None], prompt_tokens: int, completion_tokens: int
-                        ) -> dict[str, Any]:
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+def completion_response(meta: ResponseMeta, texts: list[str], finish_reasons: list[str | None], prompt_tokens: int,
+                        completion_tokens: int) -> dict[str, Any]:
+    return {"id": meta.request_id, "object": "text_completion", "created": meta.created, "model": meta.model,
             "choices": [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
                         for i, (t, r) in enumerate(zip(texts, finish_reasons))],
             "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def chat_response(request_id: str, created: int, model: str, text: str, finish_reason: str | None,
-                  prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish_reason}],
+def chat_response(meta: ResponseMeta, texts: list[str], finish_reasons: list[str | None], prompt_tokens: int,
+                  completion_tokens: int) -> dict[str, Any]:
+    """A chat request has one prompt, so one choice."""
+    return {"id": meta.request_id, "object": "chat.completion", "created": meta.created, "model": meta.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": texts[0]}, "logprobs": None,
+                         "finish_reason": finish_reasons[0]}],
             "usage": usage(prompt_tokens, completion_tokens)}
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What differs between /v1/completions and /v1/chat/completions; everything else is one path."""
+
+    request_model: type[CompletionRequest | ChatCompletionRequest]
+    id_prefix: str
+    chunk_object: str
+    chunk: Callable[[ResponseMeta, int, str, str | None, bool], dict[str, Any]]
+    response: Callable[[ResponseMeta, list[str], list[str | None], int, int], dict[str, Any]]
+
+
+COMPLETIONS = Endpoint(CompletionRequest, "cmpl", "text_completion", completion_chunk, completion_response)
+CHAT_COMPLETIONS = Endpoint(ChatCompletionRequest, "chatcmpl", "chat.completion.chunk", chat_chunk, chat_response)
