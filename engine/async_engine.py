@@ -145,6 +145,7 @@ class _Tracked:
     num_tokens: int = 0
     last_token: float | None = None
     queued: bool = True  # not yet scheduled for the first time
+    gaps: list[float] = dataclasses.field(default_factory=list)  # inter-token gaps, for the request's own p99
 
 
 @dataclass(frozen=True)
@@ -525,8 +526,10 @@ class EngineLoop:
                         n_gaps = n_new - 1
                     else:
                         n_gaps = n_new
+                    gap = now - (tracked.last_token or now)
                     for _ in range(n_gaps):
-                        metrics.itl.observe(now - (tracked.last_token or now))
+                        metrics.itl.observe(gap)
+                    tracked.gaps.extend([gap] * n_gaps)
                 tracked.num_tokens += n_new
                 if n_new:
                     tracked.last_token = now
@@ -537,6 +540,7 @@ class EngineLoop:
                     del self._tracked[output.request_id]
                     if metrics is not None and output.finish_reason in ("stop", "length"):
                         metrics.e2e.observe(now - tracked.arrival)
+                        metrics.observe_request_itl_p99(tracked.gaps)
             except Exception as error:  # noqa: BLE001 - one request's failure must not fail the others
                 logger.exception("failed to deliver the output of %s", output.request_id)
                 self._fail_request(output.request_id, RequestFailed(f"internal error: {error!r}"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -106,6 +107,10 @@ class ServerMetrics:
                             "Arrival of the HTTP request to its first generated token.")
         self.itl = latency("slotune_inter_token_latency_seconds",
                            "Gap between two consecutive generated tokens of one request.")
+        self.request_itl_p99 = latency(
+            "slotune_request_itl_p99_seconds",
+            "The 99th percentile of one finished request's own inter-token gaps (0 with fewer than two tokens); "
+            "the share at or below a bucket is the TBT attainment at that target.")
         self.e2e = latency("slotune_e2e_request_latency_seconds",
                            "Arrival to the last token, for requests finished on stop or length.")
         self.queue_time = latency("slotune_request_queue_time_seconds",
@@ -127,6 +132,10 @@ class ServerMetrics:
             self._prefill_tokens.observe(record.num_prefill_tokens)
         if record.num_decode_tokens:
             self._decode_tokens.observe(record.num_decode_tokens)
+
+    def observe_request_itl_p99(self, gaps: list[float]) -> None:
+        # the same percentile as the load generator's per-request p99 (numpy's linear interpolation)
+        self.request_itl_p99.observe(float(np.percentile(gaps, 99)) if gaps else 0.0)
 
     def config_changed(self) -> None:
         self.config_changes.inc()
