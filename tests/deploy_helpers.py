@@ -1,0 +1,268 @@
+"""The deployment stack's files read as data, and its topology started natively (no Docker engine needed): engine
+replicas (`slotune serve`), a real Prometheus with the shipped config and rules, load with `slotune loadtest`.
+
+- `compose()`: docker-compose.yml with `${VAR}` interpolated as `docker compose` does.
+- `dashboard_queries()`: every PromQL expression of the Grafana dashboards, template variables substituted.
+- `NativeStack`: the topology; Prometheus gets the shipped prometheus.yml with only the service discovery replaced
+  (static 127.0.0.1 targets instead of Docker's DNS names), the rules files as shipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from tests.server_helpers import REPO, SubprocessServer, free_port
+
+DEPLOY = REPO / "deploy"
+PROMETHEUS_DIR = DEPLOY / "prometheus"
+GRAFANA_DIR = DEPLOY / "grafana"
+# Grafana's $__rate_interval for a 5 s scrape interval: max(4 x scrape, step + scrape), 1m at a 30m range's step
+GRAFANA_BUILTINS = {"__rate_interval": "1m", "__interval": "15s", "__range": "30m"}
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
+
+
+class MissingVariable(ValueError):
+    pass
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's interpolation: ${V}, ${V:-default}, ${V-default}, ${V:?error}, ${V?error}, $$ -> $."""
+    def one(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, arg = m.group(1), m.group(2), m.group(3) or ""
+        value = env.get(name)
+        unset = value is None or (op is not None and op.startswith(":") and value == "")
+        if op is not None and op.endswith("?") and unset:
+            raise MissingVariable(f"{name}: {arg}")
+        if op is not None and op.endswith("-") and unset:
+            return arg
+        return value or ""
+    return _VAR.sub(one, text)
+
+
+def _interpolate_tree(node: Any, env: dict[str, str]) -> Any:
+    if isinstance(node, str):
+        return interpolate(node, env)
+    if isinstance(node, list):
+        return [_interpolate_tree(n, env) for n in node]
+    if isinstance(node, dict):
+        return {k: _interpolate_tree(v, env) for k, v in node.items()}
+    return node
+
+
+def compose(env: dict[str, str]) -> dict[str, Any]:
+    """docker-compose.yml as compose sees it with this environment (YAML anchors and merge keys resolved)."""
+    return _interpolate_tree(yaml.safe_load((REPO / "docker-compose.yml").read_text()), env)
+
+
+def prometheus_config() -> dict[str, Any]:
+    return yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
+
+
+def dashboards() -> dict[str, dict[str, Any]]:
+    return {p.name: json.loads(p.read_text()) for p in sorted((GRAFANA_DIR / "dashboards").glob("*.json"))}
+
+
+def _variable_choices(dashboard: dict[str, Any]) -> dict[str, list[str]]:
+    """Each template variable's values to try: every option of a custom variable, `.*` (All) for a query one."""
+    choices: dict[str, list[str]] = {}
+    for var in dashboard["templating"]["list"]:
+        if var["type"] == "custom":
+            choices[var["name"]] = [o.strip() for o in var["query"].split(",")]
+        else:
+            choices[var["name"]] = [var.get("allValue") or ".*"]
+    return choices
+
+
+def substitute(expr: str, values: dict[str, str]) -> str:
+    def one(m: re.Match[str]) -> str:
+        name = m.group(1) or m.group(2)
+        if name not in values:
+            raise KeyError(f"unknown template variable ${name} in {expr!r}")
+        return values[name]
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", one, expr)
+
+
+@dataclass(frozen=True)
+class DashboardQuery:
+    dashboard: str
+    where: str  # panel title or annotation name
+    expr: str  # as written in the JSON
+    promql: str  # with template variables substituted
+
+
+def dashboard_queries() -> list[DashboardQuery]:
+    """Every panel target and annotation expression, once per value of each custom variable it uses."""
+    out: list[DashboardQuery] = []
+    for name, board in dashboards().items():
+        choices = _variable_choices(board)
+        items = [(p["title"], t["expr"]) for p in board["panels"] for t in p.get("targets", [])]
+        items += [(a["name"], a["expr"]) for a in board["annotations"]["list"] if "expr" in a]
+        for where, expr in items:
+            used = [v for v in choices if re.search(rf"\$(\{{{v}\}}|{v}\b)", expr)]
+            variants: list[dict[str, str]] = [{}]
+            for v in used:
+                variants = [{**d, v: c} for d in variants for c in choices[v]]
+            for values in variants:
+                promql = substitute(expr, {**GRAFANA_BUILTINS, **{v: choices[v][0] for v in choices}, **values})
+                out.append(DashboardQuery(name, where, expr, promql))
+    return out
+
+
+# ----------------------------------------------------------------------------------------- the native topology
+
+@dataclass
+class Prometheus:
+    """A real Prometheus (Debian's package) on 127.0.0.1 with the shipped config's scrape jobs pointed at `targets`
+    (job name -> host:port list) and the shipped rules."""
+
+    targets: dict[str, list[str]]
+    port: int = field(default_factory=free_port)
+
+    def __post_init__(self) -> None:
+        binary = shutil.which("prometheus")
+        if binary is None:
+            raise RuntimeError("prometheus is not installed (apt-get install prometheus)")
+        self.dir = Path(tempfile.mkdtemp(prefix="slotune-prom-"))
+        shutil.copytree(PROMETHEUS_DIR / "rules", self.dir / "rules")
+        (self.dir / "prometheus.yml").write_text(yaml.safe_dump(native_prometheus_config(self.targets)))
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(self.dir / "prometheus.log", "w")
+        self.process = subprocess.Popen(
+            [binary, f"--config.file={self.dir / 'prometheus.yml'}", f"--storage.tsdb.path={self.dir / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"prometheus exited: {self.output()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/-/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise TimeoutError("prometheus did not become ready in 60 s")
+
+    def output(self) -> str:
+        return (self.dir / "prometheus.log").read_text(errors="replace")
+
+    def query(self, promql: str, at: float | None = None) -> list[dict[str, Any]]:
+        params = {"query": promql, **({"time": f"{at:.3f}"} if at is not None else {})}
+        body = httpx.get(self.url + "/api/v1/query", params=params, timeout=30).json()
+        if body["status"] != "success":
+            raise ValueError(f"{promql}: {body.get('error')}")
+        return body["data"]["result"]
+
+    def query_range(self, promql: str, start: float, end: float, step: float = 5.0) -> list[dict[str, Any]]:
+        params = {"query": promql, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": str(step)}
+        body = httpx.get(self.url + "/api/v1/query_range", params=params, timeout=30).json()
+        if body["status"] != "success":
+            raise ValueError(f"{promql}: {body.get('error')}")
+        return body["data"]["result"]
+
+    def wait_for_series(self, promql: str, count: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.query(promql)) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{promql}: fewer than {count} series after {timeout} s")
+            time.sleep(0.5)
+
+    def wait_for_rules_after(self, t: float, record: str, timeout: float = 60.0) -> None:
+        """Until a rule evaluation later than `t` has stored `record` (the scrapes before it are in)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            result = self.query(f"timestamp({record})")
+            if result and min(float(r["value"][1]) for r in result) > t:
+                return
+            time.sleep(1.0)
+        raise TimeoutError(f"no evaluation of {record} after {t}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def native_prometheus_config(targets: dict[str, list[str]]) -> dict[str, Any]:
+    """The shipped prometheus.yml with each job's service discovery replaced by static targets; jobs without
+    targets are dropped. Everything else (intervals, rule files, job names) stays as shipped."""
+    config = prometheus_config()
+    jobs = []
+    for job in config["scrape_configs"]:
+        if targets.get(job["job_name"]):
+            job = {k: v for k, v in job.items() if not k.endswith("_sd_configs") and k != "static_configs"}
+            job["static_configs"] = [{"targets": targets[job["job_name"]]}]
+            jobs.append(job)
+    return {**config, "scrape_configs": jobs}
+
+
+@dataclass
+class NativeStack:
+    """`replicas` engine replicas and a Prometheus scraping them; `stop()` ends everything."""
+
+    replicas: int = 2
+    admin_token: str = "deploy-test-token"
+    engine_env: dict[str, str] = field(default_factory=lambda: {"OMP_NUM_THREADS": "1"})  # a core each
+
+    def __post_init__(self) -> None:
+        self.engines: list[SubprocessServer] = []
+        self.prometheus: Prometheus | None = None
+        try:
+            for _ in range(self.replicas):
+                self.engines.append(SubprocessServer(args=["--admin-token", self.admin_token], env=self.engine_env))
+            self.prometheus = Prometheus({"slotune-engine": [e.url.removeprefix("http://") for e in self.engines]})
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.stop()
+        for engine in self.engines:
+            engine.stop()
+
+
+def run_loadtests(urls: list[str], out: Path, *args: str, timeout: float = 300) -> list[Path]:
+    """One `slotune loadtest` per URL, concurrently (each replica gets its own open-loop schedule, seeds differ);
+    returns the output folders."""
+    procs, dirs = [], []
+    for i, url in enumerate(urls):
+        d = out / f"load-{i}"
+        dirs.append(d)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "slotune.cli", "loadtest", "--url", url, "--out", str(d), "--seed", str(i), *args],
+            cwd=REPO, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True))
+    try:
+        for p, d in zip(procs, dirs):
+            output, _ = p.communicate(timeout=timeout)
+            if p.returncode != 0:
+                raise RuntimeError(f"loadtest -> {d} exited {p.returncode}:\n{output[-3000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    return dirs
