@@ -244,15 +244,15 @@ class NativeStack:
             engine.stop()
 
 
-def run_loadtests(urls: list[str], out: Path, *args: str, timeout: float = 300) -> list[Path]:
-    """One `slotune loadtest` per URL, concurrently (each replica gets its own open-loop schedule, seeds differ);
+def run_loadtests(urls: list[str], out: Path, *args: str, timeout: float = 300, first_seed: int = 0) -> list[Path]:
+    """One `slotune loadtest` per URL, concurrently (each its own open-loop schedule, seeds first_seed, +1, ...);
     returns the output folders."""
     procs, dirs = [], []
     for i, url in enumerate(urls):
-        d = out / f"load-{i}"
+        d = out / f"load-{first_seed + i}"
         dirs.append(d)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "slotune.cli", "loadtest", "--url", url, "--out", str(d), "--seed", str(i), *args],
+            [sys.executable, "-m", "slotune.cli", "loadtest", "--url", url, "--out", str(d), "--seed", str(first_seed + i), *args],
             cwd=REPO, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True))
     try:
@@ -266,3 +266,58 @@ def run_loadtests(urls: list[str], out: Path, *args: str, timeout: float = 300) 
                 p.kill()
                 p.wait(10)
     return dirs
+
+
+class ComposeLocust:
+    """The compose file's `locust-master` and `locust-worker` services as native processes: their commands and
+    environment, headless (LOCUST_HEADLESS / LOCUST_EXPECT_WORKERS, as the compose file describes), service names
+    replaced by 127.0.0.1, free ports; the master splits one schedule over the workers and writes the records."""
+
+    def __init__(self, url: str, out: Path, workers: int, options: dict[str, str]) -> None:
+        services = compose({"SLOTUNE_ADMIN_TOKEN": "-", "POSTGRES_PASSWORD": "-", "GRAFANA_ADMIN_PASSWORD": "-"})[
+            "services"]
+        master, worker = services["locust-master"], services["locust-worker"]
+        port = str(free_port())
+        replace = {"--master-bind-host": "127.0.0.1", "--web-host": "127.0.0.1", "--master-bind-port": port,
+                   "--web-port": str(free_port()), "--master-host": "127.0.0.1", "--master-port": port}
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith(("SLOTUNE_", "LOCUST_"))}
+        env = {**inherited, **master["environment"], "LOCUST_HOST": url, "SLOTUNE_OUT": str(out),
+               "LOCUST_HEADLESS": "true", "LOCUST_EXPECT_WORKERS": str(workers), **options}
+        self.out = out
+        out.mkdir(parents=True, exist_ok=True)
+        self.log = open(out.parent / f"{out.name}-locust.log", "w")
+        self.processes = [subprocess.Popen(self._native(master["command"], replace), cwd=REPO, env=env,
+                                           stdout=self.log, stderr=subprocess.STDOUT)]
+        self.processes += [subprocess.Popen(self._native(worker["command"], replace), cwd=REPO, env=inherited,
+                                            stdout=self.log, stderr=subprocess.STDOUT) for _ in range(workers)]
+
+    @staticmethod
+    def _native(command: list[str], replace: dict[str, str]) -> list[str]:
+        assert command[0] == "locust"
+        args = [str(REPO / a.removeprefix("/app/")) if a.startswith("/app/") else a for a in command[1:]]
+        args = [replace.get(args[i - 1], a) if i else a for i, a in enumerate(args)]
+        return [sys.executable, "-m", "locust", *args]
+
+    def wait(self, timeout: float) -> Path:
+        """Until the master has written its records and every process ended; returns the output folder."""
+        try:
+            self.processes[0].wait(timeout)
+            for p in self.processes[1:]:
+                p.wait(30)
+        finally:
+            self.stop()
+        if not (self.out / "records.parquet").exists():
+            raise RuntimeError("the compose-form Locust wrote no records:\n"
+                               + Path(self.log.name).read_text(errors="replace")[-3000:])
+        return self.out
+
+    def stop(self) -> None:
+        for p in self.processes:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(10)
+        self.log.close()

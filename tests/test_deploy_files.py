@@ -108,7 +108,7 @@ def test_locust_service_commands_parse_with_locust_and_use_the_project_locustfil
 def test_locust_master_settings_are_options_of_the_load_generator(services: dict[str, dict[str, Any]]) -> None:
     known = {o.env for o in OPTIONS}
     env = services["locust-master"]["environment"]
-    slotune_vars = {k for k in env if k.startswith("SLOTUNE_") and k != "SLOTUNE_ADMIN_TOKEN"}
+    slotune_vars = {k for k in env if k.startswith("SLOTUNE_")}
     assert slotune_vars and slotune_vars <= known, slotune_vars - known
     from loadtest.config import LoadConfig
     LoadConfig.from_strings({o.field: env[o.env] for o in OPTIONS if o.env in env})  # valid values
@@ -181,9 +181,16 @@ def test_secrets_come_from_the_environment() -> None:
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True).stdout.split()
     assert ".env" not in tracked
     services = compose(SECRETS)["services"]
-    for name in ("engine", "tune", "dashboard"):
-        assert services[name]["environment"]["SLOTUNE_ADMIN_TOKEN"] == SECRETS["SLOTUNE_ADMIN_TOKEN"]
+    # each secret reaches exactly the services that use it
+    holders = {var: {n for n, s in services.items() if var in (s.get("environment") or {})}
+               for var in ("SLOTUNE_ADMIN_TOKEN", "PGPASSWORD")}
+    assert holders == {"SLOTUNE_ADMIN_TOKEN": {"engine", "tune", "dashboard", "controller"},
+                       "PGPASSWORD": {"tune", "dashboard"}}
     assert services["postgres"]["environment"]["POSTGRES_PASSWORD"] == services["tune"]["environment"]["PGPASSWORD"]
+    # the study URLs name no password (libpq takes it from PGPASSWORD)
+    for name in ("tune", "dashboard"):
+        command = services[name]["command"]
+        assert re.fullmatch(r"postgresql://slotune@postgres:5432/optuna", command[command.index("--storage") + 1])
 
 
 def test_every_service_the_issue_names_is_there_and_tune_is_a_profile(services: dict[str, dict[str, Any]]) -> None:

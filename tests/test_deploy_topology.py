@@ -23,13 +23,13 @@ from engine.metrics import LATENCY_BUCKETS
 from loadtest.records import read_records
 from loadtest.summary import percentile, request_tbt_p99, token_gaps
 from slotune.cli import SUBCOMMANDS
-from tests.deploy_helpers import NativeStack, dashboard_queries, run_loadtests
+from loadtest.config import Option
+from tests.deploy_helpers import ComposeLocust, NativeStack, dashboard_queries, run_loadtests
 from tests.postgres_helpers import start_postgres
 from tuner.study import ROLE_DEFAULT, open_storage
 
 SLO_TBT = "0.05"  # the shipped rules' target
-LOAD_ARGS = ("--workload", "mixed", "--length-scale", "0.125", "--rate", "1.5", "--duration", "40s",
-             "--slo-p99-tbt", "50ms")
+LOAD = {"workload": "mixed", "length-scale": "0.125", "rate": "1.5", "duration": "40s", "slo-p99-tbt": "50ms"}
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +43,10 @@ def stack() -> Iterator[NativeStack]:
 
 @pytest.fixture(scope="module")
 def load(stack: NativeStack, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Real load on both replicas (one open-loop schedule each), a live knob change on replica 0 and one rejected
-    request per replica (the errors panel's data); then waits until Prometheus has evaluated its rules on a scrape
-    taken after the load."""
+    """Real load on both replicas, one open-loop schedule each: replica 0 from the compose file's Locust master and
+    two workers splitting one schedule, replica 1 from `slotune loadtest`. Before it, a live knob change on replica
+    0 and one rejected request per replica (the errors panel's data); after it, waits until Prometheus has evaluated
+    its rules on a scrape taken after the load."""
     start = time.time()
     assert stack.prometheus is not None
     # the knob change after Prometheus has seen the old generation, so that its annotation query can see it change
@@ -55,7 +56,17 @@ def load(stack: NativeStack, tmp_path_factory: pytest.TempPathFactory) -> dict:
     patched = httpx.patch(stack.engines[0].url + "/admin/config", json={"prefill_token_ratio": 0.99},
                           headers={"authorization": f"Bearer {stack.admin_token}"}, timeout=30)
     assert patched.status_code == 200, patched.text
-    dirs = run_loadtests([e.url for e in stack.engines], tmp_path_factory.mktemp("load"), *LOAD_ARGS)
+    out = tmp_path_factory.mktemp("load")
+    locust = ComposeLocust(stack.engines[0].url, out / "compose-locust", workers=2,
+                           options={Option(flag, "", "").env: v for flag, v in LOAD.items()})
+    try:
+        dirs = run_loadtests([stack.engines[1].url], out, *[a for flag, v in LOAD.items() for a in (f"--{flag}", v)],
+                             first_seed=1)
+        dirs.append(locust.wait(timeout=300))
+    finally:
+        locust.stop()
+    split = read_records(str(dirs[-1] / "records.parquet"))
+    assert {r.worker for r in split} == {0, 1}  # the two workers shared the schedule
     end = time.time()
     stack.prometheus.wait_for_rules_after(end + 5.0, "job:slotune_inter_token_latency_seconds:p99_rate5m")
     records = [r for d in dirs for r in read_records(str(d / "records.parquet"))]
