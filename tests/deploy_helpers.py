@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -220,24 +221,69 @@ def native_prometheus_config(targets: dict[str, list[str]]) -> dict[str, Any]:
 
 @dataclass
 class NativeStack:
-    """`replicas` engine replicas and a Prometheus scraping them; `stop()` ends everything."""
+    """`replicas` engine replicas, a Prometheus scraping them and, where this checkout has `slotune control`, the
+    controller (the compose file's command, advisory, reading through that Prometheus); `stop()` ends everything."""
 
     replicas: int = 2
     admin_token: str = "deploy-test-token"
     engine_env: dict[str, str] = field(default_factory=lambda: {"OMP_NUM_THREADS": "1"})  # a core each
 
     def __post_init__(self) -> None:
+        from slotune.cli import SUBCOMMANDS
+
         self.engines: list[SubprocessServer] = []
         self.prometheus: Prometheus | None = None
+        self.controller: subprocess.Popen[bytes] | None = None
+        self.controller_port = free_port() if "control" in SUBCOMMANDS else None
         try:
-            for _ in range(self.replicas):
-                self.engines.append(SubprocessServer(args=["--admin-token", self.admin_token], env=self.engine_env))
-            self.prometheus = Prometheus({"slotune-engine": [e.url.removeprefix("http://") for e in self.engines]})
+            self._start_engines()
+            targets = {"slotune-engine": [e.url.removeprefix("http://") for e in self.engines]}
+            if self.controller_port is not None:
+                targets["slotune-controller"] = [f"127.0.0.1:{self.controller_port}"]
+            self.prometheus = Prometheus(targets)
+            if self.controller_port is not None:
+                self._start_controller()
         except BaseException:
             self.stop()
             raise
 
+    def _start_engines(self) -> None:
+        """The replicas start side by side (each loads the model); one that fails stops the stack."""
+        def start() -> SubprocessServer:
+            return SubprocessServer(args=["--admin-token", self.admin_token], env=self.engine_env)
+
+        with ThreadPoolExecutor(self.replicas) as pool:
+            futures = [pool.submit(start) for _ in range(self.replicas)]
+            errors = []
+            for future in futures:
+                try:
+                    self.engines.append(future.result())
+                except Exception as error:  # noqa: BLE001 - the others are stopped by the caller
+                    errors.append(error)
+        if errors:
+            raise errors[0]
+
+    def _start_controller(self) -> None:
+        assert self.prometheus is not None and self.controller_port is not None
+        services = compose({"SLOTUNE_ADMIN_TOKEN": self.admin_token, "POSTGRES_PASSWORD": "-",
+                            "GRAFANA_ADMIN_PASSWORD": "-"})["services"]
+        command = services["controller"]["command"]
+        replace = {"http://engine:8000": self.engines[0].url, "http://prometheus:9090": self.prometheus.url,
+                   "9400": str(self.controller_port)}
+        args = [replace.get(a, a) for a in command[1:]]
+        self.controller_log = open(self.prometheus.dir / "controller.log", "w")
+        self.controller = subprocess.Popen([sys.executable, "-m", "slotune.cli", *args], cwd=REPO,
+                                           env={**os.environ, "SLOTUNE_ADMIN_TOKEN": self.admin_token},
+                                           stdout=self.controller_log, stderr=subprocess.STDOUT)
+
     def stop(self) -> None:
+        if self.controller is not None and self.controller.poll() is None:
+            self.controller.terminate()
+            try:
+                self.controller.wait(20)
+            except subprocess.TimeoutExpired:
+                self.controller.kill()
+                self.controller.wait(10)
         if self.prometheus is not None:
             self.prometheus.stop()
         for engine in self.engines:

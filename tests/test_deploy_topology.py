@@ -97,34 +97,36 @@ def test_recorded_p99_itl_agrees_with_the_client_within_one_bucket(stack: Native
 
 def test_recorded_attainment_agrees_with_the_load_test(stack: NativeStack, load: dict) -> None:
     """At the SLO's target and at every bucket boundary where the client's attainment is between 5 % and 95 %, the
-    attainment rule agrees with the share of the load test's requests whose own p99 gap was within it."""
+    attainment rule lies within one bucket of the load test's: between the shares of requests whose own p99 gap (as
+    the client measured it) was within the boundary below and the boundary above. (The engine times a gap when its
+    step ends, the client when the token arrives, so a request near the target may fall on either side of it.)"""
     records = load["records"]
     own_p99 = np.array([request_tbt_p99(r) for r in records])
     assert stack.prometheus is not None
-    by_le = {r["metric"]["le"]: float(r["value"][1])
+    by_le = {float(r["metric"]["le"]): float(r["value"][1])
              for r in stack.prometheus.query("job_le:slotune_tbt_attainment:ratio_rate5m")}
-    assert scalar(stack, "job:slotune_slo_attainment:ratio_rate5m") == pytest.approx(by_le[SLO_TBT])
+    assert scalar(stack, "job:slotune_slo_attainment:ratio_rate5m") == pytest.approx(by_le[float(SLO_TBT)])
+    bounds = [0.0, *LATENCY_BUCKETS, math.inf]
+    client = {b: float(np.mean(own_p99 <= b)) for b in bounds}
     checked = []
-    for le, recorded in by_le.items():
-        target = float(le)
-        client = float(np.mean(own_p99 <= target))
-        if le != SLO_TBT and not 0.05 <= client <= 0.95:
+    for i, target in enumerate(bounds[1:-1], start=1):
+        if target != float(SLO_TBT) and not 0.05 <= client[target] <= 0.95:
             continue
-        # the engine times a gap when its step ends, the client when the token arrives: a request whose own p99
-        # sits within a few ms of the target may fall on either side; allow a binomial 3-sigma band plus 5 points
-        tolerance = 3 * math.sqrt(max(client * (1 - client), 0.01) / len(records)) + 0.05
-        checked.append((le, client, recorded))
-        assert abs(recorded - client) <= tolerance, (le, client, recorded, len(records))
-    print("attainment (target, client, Prometheus):", checked)
+        recorded = by_le[target]
+        # 0.02: rate() extrapolates each replica's counters over its own scrape times, weighting them slightly apart
+        low, high = client[bounds[i - 1]] - 0.02, client[bounds[i + 1]] + 0.02
+        checked.append((target, round(client[target], 3), round(recorded, 3)))
+        assert low <= recorded <= high, (target, client[bounds[i - 1]], client[target], client[bounds[i + 1]],
+                                         recorded)
+    print("attainment (target s, client, Prometheus):", checked)
     assert len(checked) >= 2  # the SLO's target and at least one boundary inside the distribution
 
 
 def test_every_dashboard_query_returns_series(stack: NativeStack, load: dict) -> None:
     assert stack.prometheus is not None
-    controller_built = "control" in SUBCOMMANDS
     empty = []
     for q in dashboard_queries():
-        if "slotune_controller_" in q.promql and not controller_built:
+        if "slotune_controller_" in q.promql:
             continue  # test_dashboard_controller_queries
         result = stack.prometheus.query_range(q.promql, load["start"], time.time(), step=5.0)
         finite = [float(v) for series in result for _, v in series["values"] if math.isfinite(float(v))]
@@ -137,9 +139,16 @@ def test_every_dashboard_query_returns_series(stack: NativeStack, load: dict) ->
 
 
 def test_dashboard_controller_queries(stack: NativeStack, load: dict) -> None:
+    """The controller (started by NativeStack where it exists) is scraped, and exports every controller metric the
+    dashboards query."""
     if "control" not in SUBCOMMANDS:
         pytest.xfail("the controller is not built on this branch")
-    pytest.fail("the controller exists: start it in NativeStack and check its dashboard queries")
+    assert stack.prometheus is not None and stack.controller is not None
+    assert stack.controller.poll() is None, "the controller exited"
+    stack.prometheus.wait_for_series('up{job="slotune-controller"} == 1', 1)
+    queried = {m for q in dashboard_queries() for m in re.findall(r"slotune_controller_\w+", q.promql)}
+    exported = {r["metric"]["__name__"] for r in stack.prometheus.query('{__name__=~"slotune_controller_.*"}')}
+    assert queried <= exported, f"queried by the dashboards but not exported: {sorted(queried - exported)}"
 
 
 POLICY = """

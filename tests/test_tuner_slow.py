@@ -4,13 +4,10 @@ engines, without duplicate or lost trials; ``--apply`` leaves the tuned knobs in
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,7 +18,7 @@ import yaml
 from optuna.trial import TrialState
 
 from tests.postgres_helpers import start_postgres
-from tests.server_helpers import SubprocessServer, free_port
+from tests.server_helpers import SubprocessServer
 from tuner.engine_handle import EngineHandle
 from tuner.study import ROLE_DEFAULT, open_storage
 
