@@ -290,28 +290,21 @@ class NativeStack:
             engine.stop()
 
 
-def run_loadtests(urls: list[str], out: Path, *args: str, timeout: float = 300, first_seed: int = 0) -> list[Path]:
-    """One `slotune loadtest` per URL, concurrently (each its own open-loop schedule, seeds first_seed, +1, ...);
-    returns the output folders."""
-    procs, dirs = [], []
-    for i, url in enumerate(urls):
-        d = out / f"load-{first_seed + i}"
-        dirs.append(d)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "slotune.cli", "loadtest", "--url", url, "--out", str(d), "--seed", str(first_seed + i), *args],
-            cwd=REPO, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True))
+def run_loadtest(url: str, out: Path, *args: str, seed: int = 0, timeout: float = 300) -> Path:
+    """`slotune loadtest` against `url`, writing into `out`; returns `out`."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "slotune.cli", "loadtest", "--url", url, "--out", str(out), "--seed", str(seed), *args],
+        cwd=REPO, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
     try:
-        for p, d in zip(procs, dirs):
-            output, _ = p.communicate(timeout=timeout)
-            if p.returncode != 0:
-                raise RuntimeError(f"loadtest -> {d} exited {p.returncode}:\n{output[-3000:]}")
+        output, _ = process.communicate(timeout=timeout)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-    return dirs
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    if process.returncode != 0:
+        raise RuntimeError(f"loadtest -> {out} exited {process.returncode}:\n{output[-3000:]}")
+    return out
 
 
 class ComposeLocust:

@@ -24,7 +24,7 @@ from loadtest.records import read_records
 from loadtest.summary import percentile, request_tbt_p99, token_gaps
 from slotune.cli import SUBCOMMANDS
 from loadtest.config import Option
-from tests.deploy_helpers import ComposeLocust, NativeStack, dashboard_queries, run_loadtests
+from tests.deploy_helpers import ComposeLocust, NativeStack, dashboard_queries, run_loadtest
 from tests.postgres_helpers import start_postgres
 from tuner.study import ROLE_DEFAULT, open_storage
 
@@ -60,9 +60,9 @@ def load(stack: NativeStack, tmp_path_factory: pytest.TempPathFactory) -> dict:
     locust = ComposeLocust(stack.engines[0].url, out / "compose-locust", workers=2,
                            options={Option(flag, "", "").env: v for flag, v in LOAD.items()})
     try:
-        dirs = run_loadtests([stack.engines[1].url], out, *[a for flag, v in LOAD.items() for a in (f"--{flag}", v)],
-                             first_seed=1)
-        dirs.append(locust.wait(timeout=300))
+        dirs = [run_loadtest(stack.engines[1].url, out / "loadtest",
+                             *[a for flag, v in LOAD.items() for a in (f"--{flag}", v)], seed=1),
+                locust.wait(timeout=300)]
     finally:
         locust.stop()
     split = read_records(str(dirs[-1] / "records.parquet"))
