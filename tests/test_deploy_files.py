@@ -141,8 +141,11 @@ def test_health_checks_probe_the_port_each_service_listens_on(services: dict[str
         if name == "postgres":
             assert "pg_isready" in test
             continue
-        ports = {int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", test)}
-        assert ports == {_listen_port(name, service)}, (name, test)
+        ports = {int(p) for p in re.findall(r"127\.0\.0\.1'?(?::|, )(\d+)", test)}
+        command = service.get("command", [])
+        expected = (int(command[command.index("--master-bind-port") + 1]) if "--master-bind-port" in command
+                    else _listen_port(name, service))  # Locust's master: the workers' port, up with or without UI
+        assert ports == {expected}, (name, test)
     for name, service in services.items():
         for dep, cond in (service.get("depends_on") or {}).items():
             assert dep in services, (name, dep)
