@@ -191,9 +191,11 @@ def test_secrets_come_from_the_environment() -> None:
                        "PGPASSWORD": {"tune", "dashboard"}}
     assert services["postgres"]["environment"]["POSTGRES_PASSWORD"] == services["tune"]["environment"]["PGPASSWORD"]
     # the study URLs name no password (libpq takes it from PGPASSWORD)
+    database = services["postgres"]["environment"]
     for name in ("tune", "dashboard"):
         command = services[name]["command"]
-        assert re.fullmatch(r"postgresql://slotune@postgres:5432/optuna", command[command.index("--storage") + 1])
+        url = command[command.index("--storage") + 1]
+        assert url == f"postgresql://{database['POSTGRES_USER']}@postgres:5432/{database['POSTGRES_DB']}", url
 
 
 def test_every_service_the_issue_names_is_there_and_tune_is_a_profile(services: dict[str, dict[str, Any]]) -> None:
