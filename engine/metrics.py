@@ -133,6 +133,7 @@ class ServerMetrics:
             self._decode_tokens.observe(record.num_decode_tokens)
 
     def observe_request_itl_p99(self, gaps: list[float]) -> None:
+        # the same percentile as the load generator's per-request p99 (numpy's linear interpolation)
         self.request_itl_p99.observe(float(np.percentile(gaps, 99)) if gaps else 0.0)
 
     def config_changed(self) -> None:

@@ -200,6 +200,7 @@ def test_metrics_agree_with_what_was_sent(server: InProcessServer) -> None:
     assert delta(before, after, "slotune_time_to_first_token_seconds_count") == n
     assert delta(before, after, "slotune_inter_token_latency_seconds_count") == sum(k - 1 for k in lengths)
     assert delta(before, after, "slotune_e2e_request_latency_seconds_count") == n
+    assert delta(before, after, "slotune_request_itl_p99_seconds_count") == n  # one per finished request
     assert delta(before, after, "slotune_request_queue_time_seconds_count") == n
     assert delta(before, after, "slotune_http_responses_total", path="/v1/completions", code="200") == n
     # The step histograms agree with the step records of the same steps.

@@ -4,13 +4,10 @@ engines, without duplicate or lost trials; ``--apply`` leaves the tuned knobs in
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,7 +17,8 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
-from tests.server_helpers import SubprocessServer, free_port
+from tests.postgres_helpers import start_postgres
+from tests.server_helpers import SubprocessServer
 from tuner.engine_handle import EngineHandle
 from tuner.study import ROLE_DEFAULT, open_storage
 
@@ -118,40 +116,8 @@ def test_ctrl_c_or_sigterm_stops_the_engine_and_keeps_the_study(tmp_path: Path, 
     assert not study.get_trials(states=(TrialState.RUNNING,))  # the interrupted trial is failed, redone on resume
 
 
-def _postgres(tmp_path: Path) -> tuple[str, callable]:
-    """A real PostgreSQL in tmp_path, run as the `postgres` user; skips when it cannot start."""
-    initdb = shutil.which("initdb") or "/usr/lib/postgresql/15/bin/initdb"
-    pg_ctl = shutil.which("pg_ctl") or "/usr/lib/postgresql/15/bin/pg_ctl"
-    if not Path(initdb).exists() or not shutil.which("runuser"):
-        pytest.skip("PostgreSQL is not installed (apt-get install postgresql)")
-    as_pg = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-    # outside pytest's tmp folder, which only root may enter
-    data = Path(tempfile.mkdtemp(prefix="slotune-pg-"))
-    if as_pg:
-        shutil.chown(data, "postgres")
-    port = free_port()
-    r = subprocess.run(as_pg + [initdb, "-D", str(data), "-A", "trust", "-U", "postgres"], capture_output=True,
-                       text=True)
-    if r.returncode != 0:
-        shutil.rmtree(data, ignore_errors=True)
-        pytest.skip(f"initdb failed: {r.stderr[-300:]}")
-    r = subprocess.run(as_pg + [pg_ctl, "-D", str(data), "-l", str(data / "log"), "-w", "-o",
-                                f"-p {port} -k {data} -c listen_addresses=127.0.0.1", "start"],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        shutil.rmtree(data, ignore_errors=True)
-        pytest.skip(f"PostgreSQL did not start: {r.stderr[-300:]}")
-
-    def stop() -> None:
-        subprocess.run(as_pg + [pg_ctl, "-D", str(data), "-m", "fast", "stop"], capture_output=True)
-        shutil.rmtree(data, ignore_errors=True)
-    subprocess.run(as_pg + [shutil.which("createdb") or "createdb", "-h", "127.0.0.1", "-p", str(port), "-U",
-                            "postgres", "optuna"], check=True, capture_output=True)
-    return f"postgresql://postgres@127.0.0.1:{port}/optuna", stop
-
-
 def test_two_tuners_share_one_postgresql_study(tmp_path: Path) -> None:
-    url, stop_pg = _postgres(tmp_path)
+    url, stop_pg = start_postgres()
     (tmp_path / "policy.yaml").write_text(POLICY)
     engines = [SubprocessServer(args=["--admin-token", f"t{i}"]) for i in range(2)]
     try:
