@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from loadtest.durations import parse_duration
+from policies.control import ControlPolicyError, ControlSpec, parse_control
 
 SAMPLERS = ("tpe", "gp", "random", "grid", "nsga2")
 OBJECTIVES = ("goodput", "capacity")
@@ -176,6 +177,7 @@ class Policy:
     workload: WorkloadSpec = WorkloadSpec()
     rate: float | None = None  # None = auto
     pruning: PruningSpec = PruningSpec()
+    control: ControlSpec = field(default_factory=ControlSpec)  # the controller's guardrails, triggers, canary and retune sections
     source: str = "<built-in>"
 
     @property
@@ -201,7 +203,8 @@ class Policy:
                 "sampler": self.sampler, "start": self.start, "objective": self.objective, "trials": self.trials,
                 "trial_duration": self.trial_duration, "warmup": self.warmup, "seed": self.seed,
                 "workload": self.workload.as_dict(), "rate": self.rate if self.rate is not None else "auto",
-                "pruning": dataclasses.asdict(self.pruning), "source": self.source}
+                "pruning": dataclasses.asdict(self.pruning), "control": dataclasses.asdict(self.control),
+                "source": self.source}
 
 
 # ------------------------------------------------------------------------------------------------ parsing
@@ -338,13 +341,12 @@ def _rate(value: Any, path: str) -> float | None:
 
 
 TOP_FIELDS = {"slo", "search_space", "fixed", "constraints", "sampler", "start", "objective", "trials",
-              "trial_duration", "warmup", "seed", "workload", "rate", "pruning", "guardrails", "triggers", "name",
-              "description"}
+              "trial_duration", "warmup", "seed", "workload", "rate", "pruning", "guardrails", "triggers", "canary",
+              "retune", "name", "description"}
 
 
 def parse_policy(data: Any, source: str = "<dict>") -> Policy:
-    """A validated Policy from a parsed YAML document. ``guardrails``/``triggers`` (the controller's) pass through
-    unread here."""
+    """A validated Policy from a parsed YAML document (the controller's sections: policies.control)."""
     data = _mapping(data, "policy")
     _unknown(data, TOP_FIELDS, "")
     slo = _mapping(data.get("slo"), "slo")
@@ -403,6 +405,10 @@ def parse_policy(data: Any, source: str = "<dict>") -> Policy:
         violation_share=_number(pr.get("violation_share", 0.05), "pruning.violation_share", float, low=0.01,
                                 high=1.0),
         min_elapsed=_number(pr.get("min_elapsed", 0.3), "pruning.min_elapsed", float, low=0.0, high=1.0))
+    try:
+        control = parse_control(data, {k.name: k for k in space}, set(KNOB_TYPES))
+    except ControlPolicyError as error:
+        raise PolicyError(error.field, str(error).split(": ", 1)[1]) from None
     policy = Policy(
         slo=targets, search_space=space, fixed=fixed, constraints=constraints, sampler=sampler, start=start,
         objective=objective,
@@ -410,7 +416,8 @@ def parse_policy(data: Any, source: str = "<dict>") -> Policy:
         trial_duration=_duration(data.get("trial_duration", "20s"), "trial_duration", required=True),  # type: ignore
         warmup=_warmup(data.get("warmup", "3s")),
         seed=_number(data.get("seed", 0), "seed", int, low=0),
-        workload=workload, rate=_rate(data.get("rate", "auto"), "rate"), pruning=pruning, source=source)
+        workload=workload, rate=_rate(data.get("rate", "auto"), "rate"), pruning=pruning, control=control,
+        source=source)
     if sampler == "grid":
         for k in space:
             k.grid_values()
