@@ -19,7 +19,7 @@ class Shape:
     """A window's shape, with the per-interval samples its drift test needs."""
 
     seconds: float
-    requests: int
+    requests: int  # arrived
     prompt_means: tuple[float, ...]  # one per scrape interval with a finished request
     output_means: tuple[float, ...]
     prefix_hit_rate: float
@@ -51,7 +51,7 @@ def shape_of(intervals: Sequence[WindowStats]) -> Shape:
     queries = sum(w.prefix_queries for w in intervals)
     hits = sum(w.prefix_hits for w in intervals)
     busy = [w for w in intervals if w.finished > 0]
-    return Shape(seconds=seconds, requests=sum(w.finished for w in intervals),
+    return Shape(seconds=seconds, requests=sum(w.arrived for w in intervals),
                  prompt_means=tuple(w.mean_prompt for w in busy), output_means=tuple(w.mean_output for w in busy),
                  prefix_hit_rate=hits / queries if queries else math.nan)
 

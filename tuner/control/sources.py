@@ -19,7 +19,7 @@ SERIES = ("slotune_request_itl_p99_seconds_bucket", "slotune_request_itl_p99_sec
           "slotune_request_success_total", "slotune_prompt_tokens_total", "slotune_generation_tokens_total",
           "slotune_prefix_cache_queries_total", "slotune_prefix_cache_hits_total", "slotune_config_generation",
           "slotune_knob", "slotune_config_lease_pending", "slotune_num_requests_running",
-          "slotune_num_requests_waiting")
+          "slotune_num_requests_waiting", "slotune_num_requests_preempted")
 # Labels that tell replicas apart in Prometheus; the controller pools them (one engine behind one selector).
 _TARGET_LABELS = ("instance", "job")
 

@@ -42,6 +42,7 @@ class WindowStats:
     start: float
     end: float
     finished: int  # requests that finished (stop, length or abort)
+    arrived: int  # requests that came in: finished plus the growth of the engine's queues
     attaining: int
     tbt_bound: float  # the bucket bound the TBT target was read at
     prompt_tokens: float
@@ -60,8 +61,8 @@ class WindowStats:
 
     @property
     def arrival_rate(self) -> float:
-        """Finished requests per second (the arrivals, once the queue is steady)."""
-        return self.finished / self.seconds if self.seconds > 0 else math.nan
+        """Requests that arrived per second (finished ones plus the queues' growth: right under overload too)."""
+        return self.arrived / self.seconds if self.seconds > 0 else math.nan
 
     @property
     def mean_prompt(self) -> float:
@@ -79,7 +80,8 @@ class WindowStats:
         def finite(x: float) -> float | None:
             return round(x, 6) if math.isfinite(x) else None
 
-        return {"start": self.start, "end": self.end, "finished": self.finished, "attaining": self.attaining,
+        return {"start": self.start, "end": self.end, "finished": self.finished, "arrived": self.arrived,
+                "attaining": self.attaining,
                 "attainment": self.attainment.as_dict(), "arrival_rate": finite(self.arrival_rate),
                 "mean_prompt": finite(self.mean_prompt), "mean_output": finite(self.mean_output),
                 "prefix_hit_rate": finite(self.prefix_hit_rate), "generations": list(self.generations)}
@@ -106,8 +108,11 @@ def window(before: Scrape, after: Scrape, slo: SLO) -> WindowStats:
         attaining = min(attaining, ttft_ok)
     # A request may finish between the two histogram reads of one scrape: never more attaining than finished.
     finished_n = round(finished)
+    queued = [sum(s.get(f"slotune_num_requests_{q}") for q in ("running", "waiting", "preempted"))
+              for s in (before, after)]
     return WindowStats(
-        start=before.time, end=after.time, finished=finished_n, attaining=min(round(attaining), finished_n),
+        start=before.time, end=after.time, finished=finished_n,
+        arrived=max(0, finished_n + round(queued[1] - queued[0])), attaining=min(round(attaining), finished_n),
         tbt_bound=bound,
         prompt_tokens=delta(after.get("slotune_prompt_tokens_total"), before.get("slotune_prompt_tokens_total"),
                             "prompt tokens"),
