@@ -33,8 +33,13 @@ class DecisionLog:
     def write(self, kind: str, **fields: Any) -> dict[str, Any]:
         record = {"kind": kind, "time": time.time(), **fields}
         if self.path is not None:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record, default=str) + "\n")
+            with open(self.path, "ab+") as f:
+                end = f.seek(0, 2)
+                if end > 0:  # a line cut short by a kill: end it, so this record stays a line of its own
+                    f.seek(end - 1)
+                    if f.read(1) != b"\n":
+                        f.write(b"\n")
+                f.write((json.dumps(record, default=str) + "\n").encode("utf-8"))
                 f.flush()
         return record
 
