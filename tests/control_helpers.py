@@ -7,8 +7,9 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 import yaml
@@ -40,19 +41,19 @@ def write_policy(path: Path, **sections: Any) -> Path:
 
 
 def start_controller(engine_url: str, policy: Path, log: Path, *args: str) -> subprocess.Popen[bytes]:
-    err = open(log.with_suffix(".err"), "ab")
-    return subprocess.Popen([sys.executable, "-m", "slotune.cli", "control", "--engine-url", engine_url,
-                             "--admin-token", TOKEN, "--policy", str(policy), "--log", str(log), "--poll", "1",
-                             *args], cwd=REPO, stdout=err, stderr=subprocess.STDOUT)
+    with open(log.with_suffix(".err"), "ab") as err:  # the child keeps its own descriptor
+        return subprocess.Popen([sys.executable, "-m", "slotune.cli", "control", "--engine-url", engine_url,
+                                 "--admin-token", TOKEN, "--policy", str(policy), "--log", str(log), "--poll", "1",
+                                 *args], cwd=REPO, stdout=err, stderr=subprocess.STDOUT)
 
 
 def start_traffic(engine_url: str, out: Path, mix: str, rate: float, duration: str,
                   slo: tuple[str, str] = ("1s", "2s")) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "slotune.cli", "loadtest", "--url", engine_url, "--workload",
-                             "mixed", "--mix", mix, "--mix-weights", "1", "--rate", str(rate), "--duration", duration,
-                             "--out", str(out), "--slo-p99-tbt", slo[0], "--slo-p99-ttft", slo[1],
-                             "--drain-timeout", "60s"], cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=open(out.with_suffix(".log"), "wb") if out.parent.exists() else None)
+    with open(out.with_suffix(".log"), "wb") as err:
+        return subprocess.Popen([sys.executable, "-m", "slotune.cli", "loadtest", "--url", engine_url, "--workload",
+                                 "mixed", "--mix", mix, "--mix-weights", "1", "--rate", str(rate), "--duration",
+                                 duration, "--out", str(out), "--slo-p99-tbt", slo[0], "--slo-p99-ttft", slo[1],
+                                 "--drain-timeout", "60s"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
 
 
 def records(log: Path) -> list[dict[str, Any]]:
