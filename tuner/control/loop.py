@@ -233,7 +233,8 @@ class Controller:
             horizon = before.end - self.policy.control.retune.step_history
             recent_steps = [s for s in steps if s["config_generation"] == generation and s["start_time"] >= horizon]
             shape = self.recent_shape() or self.shape_between(before.start, before.end)
-            assert shape is not None
+            if shape is None:  # the counters reset under us (an engine restart): judge again on fresh windows
+                return
             found = search(self.policy, current, resolved, shape, recent_steps, self.study_knobs(),
                            target=self.policy.control.triggers.attainment_target, profile=self.profile,
                            seed=self.state.next_id)
