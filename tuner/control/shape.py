@@ -20,9 +20,12 @@ class Shape:
 
     seconds: float
     requests: int  # arrived
-    prompt_means: tuple[float, ...]  # one per scrape interval with a finished request
+    prompt_means: tuple[float, ...]  # one per scrape interval with a finished request (the drift test's samples)
     output_means: tuple[float, ...]
     prefix_hit_rate: float
+    finished: int = 0
+    prompt_tokens: float = 0.0
+    generation_tokens: float = 0.0
 
     @property
     def arrival_rate(self) -> float:
@@ -30,10 +33,16 @@ class Shape:
 
     @property
     def mean_prompt(self) -> float:
+        """Prompt tokens per finished request over the whole window (the per-interval means are noisier: a
+        request's prompt is counted at its first token, its finish later)."""
+        if self.finished:
+            return self.prompt_tokens / self.finished
         return sum(self.prompt_means) / len(self.prompt_means) if self.prompt_means else math.nan
 
     @property
     def mean_output(self) -> float:
+        if self.finished:
+            return self.generation_tokens / self.finished
         return sum(self.output_means) / len(self.output_means) if self.output_means else math.nan
 
     def as_dict(self) -> dict[str, Any]:
@@ -53,7 +62,9 @@ def shape_of(intervals: Sequence[WindowStats]) -> Shape:
     busy = [w for w in intervals if w.finished > 0]
     return Shape(seconds=seconds, requests=sum(w.arrived for w in intervals),
                  prompt_means=tuple(w.mean_prompt for w in busy), output_means=tuple(w.mean_output for w in busy),
-                 prefix_hit_rate=hits / queries if queries else math.nan)
+                 prefix_hit_rate=hits / queries if queries else math.nan, finished=sum(w.finished for w in intervals),
+                 prompt_tokens=sum(w.prompt_tokens for w in intervals),
+                 generation_tokens=sum(w.generation_tokens for w in intervals))
 
 
 @dataclass(frozen=True)
