@@ -7,6 +7,7 @@ long version against static configs."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,9 @@ from tuner.statistics import proportion_interval
 PHASE_ONE = ["--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--chunk-size", "32", "--block-size", "16"]
 RECOVERY_S = 120.0  # the stated time: requests sent this long after the shift attain >= 90 %
 SLO_ARGS = ("500ms", "3s")
+# Phase one's and phase two's rates: phase two must exceed what two sequences serve on this machine (a faster
+# machine needs higher rates, e.g. SLOTUNE_SHIFT_RATES=1,4).
+RATES = tuple(float(x) for x in os.environ.get("SLOTUNE_SHIFT_RATES", "0.4,1.6").split(","))
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +57,10 @@ def test_the_controller_detects_a_shift_moves_the_knobs_and_attainment_recovers(
     controller = start_controller(engine.url, policy, log)
     phase1 = phase2 = None
     try:
-        phase1 = start_traffic(engine.url, tmp_path / "phase1", "short=16:24", 0.4, "45s", SLO_ARGS)
+        phase1 = start_traffic(engine.url, tmp_path / "phase1", "short=16:24", RATES[0], "45s", SLO_ARGS)
         phase1.wait(300)
         shift = time.time()
-        phase2 = start_traffic(engine.url, tmp_path / "phase2", "short=16:24", 1.6, "200s", SLO_ARGS)
+        phase2 = start_traffic(engine.url, tmp_path / "phase2", "short=16:24", RATES[1], "200s", SLO_ARGS)
         phase2.wait(600)
     finally:
         stop(controller)

@@ -196,3 +196,11 @@ def test_resume_continues_ids_and_closes_an_open_canary_once(tmp_path: Path) -> 
     assert resume(read_log(tmp_path / "c.jsonl")).open_canary is None
     assert [json.loads(line)["kind"] for line in (tmp_path / "c.jsonl").read_text().splitlines()
             if line.endswith("}")][-1] == "decision"
+
+
+def test_a_canary_is_kept_on_its_own_arrivals_not_on_the_queue_it_inherited() -> None:
+    spec = Canary(min_requests=20, min_window=10, max_window=60, rollback_drop=0.15)
+    before, everything = stats(10, 40), stats(14, 40)  # the inherited backlog still misses its TTFT
+    assert judge(before, everything, 30, spec, fresh=None).action == "continue"  # the backlog has not drained
+    assert judge(before, everything, 30, spec, fresh=stats(24, 25)).action == "keep"
+    assert judge(before, everything, 61, spec, fresh=None).action == "rollback"

@@ -24,14 +24,23 @@ class CanaryVerdict:
         return {"action": self.action, "reason": self.reason, "difference": self.difference.as_dict()}
 
 
-def judge(before: WindowStats, canary: WindowStats, elapsed: float, spec: Canary) -> CanaryVerdict:
+def judge(before: WindowStats, canary: WindowStats, elapsed: float, spec: Canary,
+          fresh: WindowStats | None | bool = True) -> CanaryVerdict:
+    """``canary``: everything that finished since the canary started (the rollback rule judges it). ``fresh``: the
+    requests that finished after those queued at the start had finished (FCFS: the canary's own arrivals), which a
+    keep is judged on; True: the same as ``canary``; None/False: that queue has not drained yet (no keep)."""
     diff = proportion_difference_interval(canary.attaining, canary.finished, before.attaining, before.finished)
     shown = diff.format(scale=100, unit=" pp")
     if canary.finished >= MIN_FOR_ROLLBACK and diff.high < -spec.rollback_drop:
         return CanaryVerdict("rollback", f"the SLO broke: attainment fell by {shown}, more than canary.rollback_drop "
                                          f"({spec.rollback_drop:.0%}) beyond the noise", diff)
-    if elapsed >= spec.min_window and canary.finished >= spec.min_requests and diff.low > 0:
-        return CanaryVerdict("keep", f"better beyond the noise: attainment +{shown}", diff)
+    own = canary if fresh is True else fresh if isinstance(fresh, WindowStats) else None
+    if own is not None and elapsed >= spec.min_window and own.finished >= spec.min_requests:
+        own_diff = proportion_difference_interval(own.attaining, own.finished, before.attaining, before.finished)
+        if own_diff.low > 0:
+            return CanaryVerdict("keep", f"better beyond the noise: attainment +{own_diff.format(scale=100, unit=' pp')}"
+                                         f" over {own.finished} requests"
+                                         + ("" if own is canary else " that arrived under the canary"), own_diff)
     if elapsed >= spec.max_window:
         why = "too few requests" if canary.finished < spec.min_requests else "no improvement beyond the noise"
         return CanaryVerdict("rollback", f"{why} within canary.max_window ({spec.max_window:g}s): attainment "

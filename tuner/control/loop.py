@@ -43,6 +43,8 @@ class CanaryRun:
     before: WindowStats
     trigger: Trigger
     search: Search
+    inherited: int  # requests in the engine when the canary started (their latency is partly the old config's)
+    fresh_scrape: Scrape | None = None  # the first scrape after those had finished
 
 
 @dataclass
@@ -270,8 +272,10 @@ class Controller:
         self.say(f"slotune control: canary {did}: {move} as generation {applied['generation']} "
                  f"(lease {spec.lease_s:g}s): {found.reason}")
         start = self.scrape()
-        self.canary = CanaryRun(did, int(applied["generation"]), kept, time.time(), start or self.history[-1],
-                                before, trigger, found)
+        first = start or self.history[-1]
+        inherited = round(sum(first.get(f"slotune_num_requests_{q}") for q in ("running", "waiting", "preempted")))
+        self.canary = CanaryRun(did, int(applied["generation"]), kept, time.time(), first, before, trigger, found,
+                                inherited)
 
     def canary_tick(self, scrape: Scrape) -> None:
         run = self.canary
@@ -289,10 +293,14 @@ class Controller:
             self.end_canary("abandoned", str(error), fields)
             return
         self.observe(scrape, measured)
-        verdict = judge(run.before, measured, scrape.time - run.started, self.policy.control.canary)
+        if run.fresh_scrape is None and measured.finished >= run.inherited:
+            run.fresh_scrape = scrape
+        fresh = window(run.fresh_scrape, scrape, self.slo) if run.fresh_scrape is not None else None
+        verdict = judge(run.before, measured, scrape.time - run.started, self.policy.control.canary, fresh)
         if verdict.action == "continue":
             return
-        fields.update(measured=measured.as_dict(), verdict=verdict.as_dict())
+        fields.update(measured=measured.as_dict(), measured_own=fresh.as_dict() if fresh else None,
+                      inherited_requests=run.inherited, verdict=verdict.as_dict())
         try:
             if verdict.action == "keep":
                 self.engine.confirm(run.generation)
