@@ -1,5 +1,5 @@
-"""The Dash app of `slotune dashboard`: pages Curves (/curves), Study (/study), Live (/live) and Trial detail
-(/trial?dir=FOLDER). Callbacks load data (dashboards.results / .study / .engine_client) and call the figure
+"""The Dash app of `slotune dashboard`: pages Curves (/curves), Study (/study), Live (/live), Trial detail
+(/trial?dir=FOLDER) and Controller (/controller, from `slotune control`'s decision log). Callbacks load data (dashboards.results / .study / .engine_client) and call the figure
 functions of dashboards.figures; every page says plainly when there is nothing to show and why."""
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from urllib.parse import parse_qs, quote
 from dash import Dash, Input, Output, dcc, html
 
 from dashboards import figures
+from dashboards.controller_figure import controller_figure, decision_rows
 from dashboards.engine_client import EngineClient, EngineUnreachable, LiveFeed
 from dashboards.results import (FormatError, find_folders, in_window, load_sweep, load_trial,
                                 read_request_records, read_steps, workload_name)
 from dashboards.study import StudyUnavailable, TrialRow, load_study, open_storage, study_names
 
-PAGES = [("/curves", "Curves"), ("/study", "Study"), ("/live", "Live"), ("/trial", "Trial detail")]
+PAGES = [("/curves", "Curves"), ("/study", "Study"), ("/live", "Live"), ("/trial", "Trial detail"),
+         ("/controller", "Controller")]
 GRAPH_CONFIG: Any = {"displaylogo": False}  # dcc.Graph's config type
 STUDY_REFRESH_S = 15
 
@@ -31,6 +33,7 @@ class DashboardSettings:
     engine_url: str | None = None
     admin_token: str | None = None
     poll_interval_s: float = 2.0
+    controller_log: Path | None = None  # `slotune control --log` (JSONL)
 
 
 # Small building blocks ------------------------------------------------------------------------------------------
@@ -241,6 +244,35 @@ def trial_page(settings: DashboardSettings, query: dict[str, str]) -> html.Div:
                                          knob_table(trial.step_stats, "trial-step-stats")])], className="row")])
 
 
+def controller_page(settings: DashboardSettings) -> html.Div:
+    title = html.H2("Controller")
+    if settings.controller_log is None:
+        return html.Div([title, notice("no controller log: start the dashboard with --controller-log FILE (the "
+                                       "file `slotune control --log` writes)", "controller-empty")])
+    return html.Div([title, html.P(f"log {settings.controller_log}", className="info"),
+                     dcc.Interval(id="controller-interval", interval=int(settings.poll_interval_s * 1000) * 2,
+                                  n_intervals=0),
+                     html.Div(id="controller-body")])
+
+
+def controller_body(settings: DashboardSettings) -> list[Any]:
+    from tuner.control.decision_log import read_log
+
+    assert settings.controller_log is not None
+    records = read_log(settings.controller_log)
+    if not records:
+        return [notice(f"{settings.controller_log} has no records yet (is `slotune control` running?)",
+                       "controller-nothing")]
+    targets = [r["trigger"]["evidence"].get("target") for r in records if r.get("kind") == "decision"
+               and isinstance((r.get("trigger") or {}).get("evidence"), dict)]
+    target = next((t for t in reversed(targets) if isinstance(t, (int, float))), None)
+    rows = decision_rows(records)
+    return [graph("controller-timeline", controller_figure(records, target)),
+            html.H3(f"decisions ({len(rows)})"),
+            table(["#", "time", "trigger", "outcome", "move", "why"], rows, "controller-decisions") if rows
+            else notice("no decision yet", "controller-no-decision")]
+
+
 # The app --------------------------------------------------------------------------------------------------------
 def create_app(settings: DashboardSettings) -> Dash:
     app = Dash(__name__, title="slotune", suppress_callback_exceptions=True, update_title="")
@@ -265,6 +297,8 @@ def create_app(settings: DashboardSettings) -> Dash:
             return live_page(settings)
         if path == "/trial":
             return trial_page(settings, query)
+        if path == "/controller":
+            return controller_page(settings)
         return notice(f"no page {path}: the pages are " + ", ".join(p for p, _ in PAGES), "page-missing", "error")
 
     @app.callback(Output("sweep-body", "children"), Input("sweep-select", "value"))
@@ -280,5 +314,9 @@ def create_app(settings: DashboardSettings) -> Dash:
                   Output("live-knobs", "children"), Input("live-interval", "n_intervals"))
     def poll_engine(_: int) -> Any:
         return live_update(feed)
+
+    @app.callback(Output("controller-body", "children"), Input("controller-interval", "n_intervals"))
+    def show_controller(_: int) -> Any:
+        return controller_body(settings)
 
     return app

@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine-url", default=None, metavar="URL", help="a running `slotune serve`, for Live")
     parser.add_argument("--admin-token", default=None, help="bearer token of the engine's /admin/config "
                                                             "(default: $SLOTUNE_ADMIN_TOKEN)")
+    parser.add_argument("--controller-log", default=None, metavar="FILE", help="`slotune control --log` (JSONL), "
+                        "for the Controller page")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8050)
     parser.add_argument("--poll-interval", type=float, default=2.0, metavar="SECONDS",
@@ -53,7 +55,8 @@ def settings_from_args(args: argparse.Namespace) -> DashboardSettings:
     return DashboardSettings(storage=storage, results=results,
                              engine_url=args.engine_url.rstrip("/") if args.engine_url else None,
                              admin_token=args.admin_token or os.environ.get("SLOTUNE_ADMIN_TOKEN") or None,
-                             poll_interval_s=args.poll_interval)
+                             poll_interval_s=args.poll_interval,
+                             controller_log=Path(args.controller_log) if args.controller_log else None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from typing import Any, get_args
 import yaml
 
 from engine.knobs import KNOB_BY_NAME
+from policies.control import ControlPolicyError, ControlSpec, parse_control
 from policies.schema import Objective, PolicyDoc, PolicyError, Sampler, Start, validate_document
 
 SAMPLERS: tuple[str, ...] = get_args(Sampler)
@@ -148,6 +149,7 @@ class Policy:
     workload: WorkloadSpec = WorkloadSpec()
     rate: float | None = None  # None = auto
     pruning: PruningSpec = PruningSpec()
+    control: ControlSpec = field(default_factory=ControlSpec)  # the controller's guardrails, triggers, canary and retune sections
     source: str = "<built-in>"
 
     @property
@@ -173,7 +175,8 @@ class Policy:
                 "sampler": self.sampler, "start": self.start, "objective": self.objective, "trials": self.trials,
                 "trial_duration": self.trial_duration, "warmup": self.warmup, "seed": self.seed,
                 "workload": self.workload.as_dict(), "rate": self.rate if self.rate is not None else "auto",
-                "pruning": dataclasses.asdict(self.pruning), "source": self.source}
+                "pruning": dataclasses.asdict(self.pruning), "control": dataclasses.asdict(self.control),
+                "source": self.source}
 
 
 # ------------------------------------------------------------------------------------------------ parsing
@@ -194,12 +197,18 @@ def _policy(doc: PolicyDoc, data: dict[str, Any], source: str) -> Policy:
                   constraints=tuple(Constraint(*c) for c in doc.constraints), sampler=doc.sampler, start=doc.start,
                   objective=doc.objective, trials=doc.trials, trial_duration=doc.trial_duration, warmup=doc.warmup,
                   seed=doc.seed, workload=workload, rate=doc.rate, pruning=PruningSpec(**doc.pruning.model_dump()),
-                  source=source)
+                  control=_control(data, space), source=source)
+
+
+def _control(data: dict[str, Any], space: tuple[KnobRange, ...]) -> ControlSpec:
+    try:
+        return parse_control(data, {k.name: k for k in space}, set(KNOB_BY_NAME))
+    except ControlPolicyError as error:
+        raise PolicyError(error.field, str(error).split(": ", 1)[1]) from None
 
 
 def parse_policy(data: Any, source: str = "<dict>") -> Policy:
-    """A validated Policy from a parsed YAML document. ``guardrails``/``triggers`` (the controller's) pass through
-    unread here."""
+    """A validated Policy from a parsed YAML document (the controller's sections: policies.control)."""
     policy = _policy(validate_document(data), data, source)
     if policy.sampler == "grid":
         for k in policy.search_space:

@@ -237,9 +237,11 @@ class PolicyDoc(_Doc):
     workload: WorkloadDoc = WorkloadDoc()
     rate: Rate = None  # None: auto
     pruning: PruningDoc = PruningDoc()
-    # read by the controller, not here
+    # the controller's sections, validated by policies.control
     guardrails: Any = None
     triggers: Any = None
+    canary: Any = None
+    retune: Any = None
     name: Any = None
     description: Any = None
 

@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("tuner.sweep", "vary one knob with the rest fixed; measure throughput and latency at each value"),
     "dashboard": ("dashboards.cli", "Dash app: sweep curves, study history and Pareto front, live engine steps"),
     "simulate": ("tuner.simulator_cli", "a load test on the simulator (the engine's scheduler on a virtual clock)"),
+    "control": ("tuner.control.cli", "staging: watch live traffic, retune on a trigger, canary, keep or roll back"),
     "calibrate": ("tuner.calibrate", "profile the engine's step times and fit the simulator's step-time model"),
 }
 

@@ -151,3 +151,54 @@ def ratio_verdict(ratio: Interval) -> Literal["better", "worse", "no difference 
     if ratio.n >= 2 and ratio.high < 1.0:
         return "worse"
     return "no difference beyond the noise"
+
+
+def proportion_difference_interval(successes_a: int, trials_a: int, successes_b: int, trials_b: int,
+                                   level: float = DEFAULT_LEVEL) -> Interval:
+    """The difference of two independent shares, a - b (a canary's attainment against the window before it), with
+    Newcombe's hybrid score interval (from each share's Wilson interval; good coverage for small counts and shares
+    near 0 or 1, where the Wald interval fails). NaN and [-1, 1] when either side has no trials."""
+    if trials_a <= 0 or trials_b <= 0:
+        return Interval(math.nan, -1.0, 1.0, level, min(trials_a, trials_b, 0))
+    pa, pb = successes_a / trials_a, successes_b / trials_b
+    ca = stats.binomtest(successes_a, trials_a).proportion_ci(confidence_level=level, method="wilson")
+    cb = stats.binomtest(successes_b, trials_b).proportion_ci(confidence_level=level, method="wilson")
+    diff = pa - pb
+    low = diff - math.sqrt((pa - ca.low) ** 2 + (cb.high - pb) ** 2)
+    high = diff + math.sqrt((ca.high - pa) ** 2 + (pb - cb.low) ** 2)
+    return Interval(diff, max(-1.0, low), min(1.0, high), level, min(trials_a, trials_b))
+
+
+def rate_ratio_interval(count_a: int, seconds_a: float, count_b: int, seconds_b: float,
+                        level: float = DEFAULT_LEVEL) -> Interval:
+    """The ratio of two Poisson rates, (count_a / seconds_a) / (count_b / seconds_b), with the exact interval
+    conditional on the total (count_a given the total is binomial): arrival rates of two windows. Unbounded
+    sides where a count is zero."""
+    total = count_a + count_b
+    if total == 0 or seconds_a <= 0 or seconds_b <= 0:
+        return Interval(math.nan, 0.0, math.inf, level, 0)
+    share = proportion_interval(count_a, total, level)
+    scale = seconds_b / seconds_a
+
+    def odds(p: float) -> float:
+        return math.inf if p >= 1.0 else p / (1.0 - p) * scale
+
+    value = odds(count_a / total) if count_b else math.inf
+    return Interval(value, odds(share.low), odds(share.high), level, total)
+
+
+def mean_ratio_interval(samples_a: Sequence[float], samples_b: Sequence[float],
+                        level: float = DEFAULT_LEVEL) -> Interval:
+    """The ratio of two independent samples' means, mean(a) / mean(b), from Welch's t interval of the difference
+    scaled by mean(b) (mean lengths of two windows, one sample per scrape interval). Unbounded with fewer than two
+    samples on a side or a non-positive mean(b)."""
+    a, b = np.asarray(samples_a, dtype=float), np.asarray(samples_b, dtype=float)
+    n = int(min(a.size, b.size))
+    if a.size < 2 or b.size < 2 or float(b.mean()) <= 0:
+        return Interval(math.nan, 0.0, math.inf, level, n)
+    mb = float(b.mean())
+    if float(a.std()) == 0.0 and float(b.std()) == 0.0:
+        r = float(a.mean()) / mb
+        return Interval(r, r, r, level, n)
+    ci = stats.ttest_ind(a, b, equal_var=False).confidence_interval(confidence_level=level)
+    return Interval(float(a.mean()) / mb, 1.0 + float(ci.low) / mb, 1.0 + float(ci.high) / mb, level, n)

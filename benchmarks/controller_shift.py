@@ -1,0 +1,221 @@
+"""A two-phase traffic shift on the default engine: SLO attainment over time for the engine's default config, for
+the config tuned for phase one, and for the controller (``slotune control`` starting from the phase-one config).
+
+    PYTHONPATH=. python benchmarks/controller_shift.py --out build/controller-shift            # 2 x 5 min per arm (~40 min)
+    PYTHONPATH=. python benchmarks/controller_shift.py --phase-seconds 60 --out /tmp/shift     # a short look (~10 min)
+
+Each arm gets a fresh engine and the same two Locust runs back to back (same seeds: the same arrival draws):
+phase one ``--mix`` at ``--rate``, phase two the same mix at ``--rate2`` (default: four times the rate). Attainment
+per request (DESIGN: TTFT and its own p99 gap within the SLO; failed or unfinished requests do not attain) is binned
+by intended send time; each phase is summarized after the settling time (``--settle``) with its Clopper-Pearson
+interval, and goodput (attaining requests/s) is compared with the best static arm of that phase. Writes
+OUT/controller_shift.json, OUT/controller_shift.html and OUT/controller_shift.png (the HTML shot in headless
+Chromium) and prints a summary. The machine's CPU is recorded in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from loadtest.records import RequestRecord, read_records
+from loadtest.summary import SLO, attains
+from tuner.engine_handle import ManagedEngine
+from tuner.statistics import proportion_interval
+
+REPO = Path(__file__).resolve().parents[1]
+
+PHASE_ONE_CONFIG = {"max_num_seqs": 2, "max_num_batched_tokens": 64, "chunk_size": 32, "block_size": 16}
+POLICY: dict[str, Any] = {
+    "slo": {"tbt_p99": "250ms", "ttft_p99": "3s"},
+    "search_space": {"max_num_seqs": {"low": 1, "high": 32, "log": True},
+                     "max_num_batched_tokens": {"choices": [32, 64, 128, 256, 512]},
+                     "chunk_size": {"choices": [16, 32, 64, 128]},
+                     "block_size": {"choices": [8, 16, 32]}},
+    "constraints": ["chunk_size <= max_num_batched_tokens", "max_num_seqs <= max_num_batched_tokens"],
+    "guardrails": {"default_max_change": 4, "cooldown": "15s"},
+    "triggers": {"attainment_target": 0.9, "window": "30s", "min_requests": 20, "drift_threshold": 0.3,
+                 "drift_window": "30s"},
+    "canary": {"min_requests": 20, "min_window": "15s", "max_window": "60s", "lease_margin": "20s",
+               "rollback_drop": 0.15},
+    "retune": {"candidates": 32, "headroom": 1.25, "sim_duration": "20s", "step_history": "120s"},
+}
+
+
+@dataclass
+class Arm:
+    name: str
+    knobs: dict[str, Any]
+    controlled: bool = False
+
+
+def run_phase(url: str, out: Path, mix: str, rate: float, seconds: float, seed: int, slo: SLO) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "slotune.cli", "loadtest", "--url", url, "--workload", "mixed", "--mix", mix,
+           "--mix-weights", "1", "--rate", str(rate), "--duration", f"{seconds}s", "--seed", str(seed),
+           "--out", str(out), "--slo-p99-tbt", f"{slo.tbt_p99}s", "--slo-p99-ttft", f"{slo.ttft_p99}s",
+           "--drain-timeout", "60s"]
+    with open(out.with_suffix(".log"), "w") as err:
+        subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=err)
+    return json.loads((out / "summary.json").read_text())
+
+
+def run_arm(arm: Arm, args: argparse.Namespace, out: Path, slo: SLO) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    engine = ManagedEngine(knobs=arm.knobs, log_path=str(out / "engine.log"))
+    handle = engine.start()
+    controller = None
+    try:
+        if arm.controlled:
+            (out / "policy.yaml").write_text(yaml.safe_dump(POLICY))
+            with open(out / "controller.err", "w") as err:
+                controller = subprocess.Popen(
+                    [sys.executable, "-m", "slotune.cli", "control", "--engine-url", handle.url, "--admin-token",
+                     engine.token, "--policy", str(out / "policy.yaml"), "--log", str(out / "controller.jsonl")],
+                    cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+        phases = []
+        for i, rate in enumerate((args.rate, args.rate2 or 4 * args.rate)):
+            started = time.time()
+            summary = run_phase(handle.url, out / f"phase{i + 1}", args.mix, rate, args.phase_seconds, args.seed + i,
+                                slo)
+            phases.append({"rate": rate, "started": started, "summary": {
+                k: summary.get(k) for k in ("requests", "completed", "failed", "unfinished", "lost_requests",
+                                            "attainment", "goodput_rps", "tbt_p99", "ttft_p99")}})
+        final = handle.get_config()
+    finally:
+        if controller is not None:
+            controller.terminate()
+            controller.wait(30)
+        engine.stop()
+    return {"arm": arm.name, "start_knobs": arm.knobs, "final_knobs": final, "phases": phases}
+
+
+def attainment_series(records: list[RequestRecord], slo: SLO, t0: float, bin_s: float) -> list[dict[str, Any]]:
+    bins: dict[int, list[bool]] = {}
+    for r in records:
+        bins.setdefault(int((r.intended_send_time - t0) // bin_s), []).append(attains(r, slo))
+    out = []
+    for b in sorted(bins):
+        hits = bins[b]
+        ci = proportion_interval(sum(hits), len(hits))
+        out.append({"t": (b + 0.5) * bin_s, "attainment": ci.value, "low": ci.low, "high": ci.high, "n": len(hits)})
+    return out
+
+
+def phase_after_settling(records: list[RequestRecord], slo: SLO, settle: float, seconds: float) -> dict[str, Any]:
+    t0 = min(r.intended_send_time for r in records)
+    kept = [r for r in records if r.intended_send_time - t0 >= settle]
+    ok = sum(attains(r, slo) for r in kept)
+    ci = proportion_interval(ok, len(kept))
+    return {"attainment": ci.as_dict(), "goodput_rps": ok / max(1e-9, seconds - settle), "requests": len(kept)}
+
+
+def analyse(results: list[dict[str, Any]], out: Path, args: argparse.Namespace, slo: SLO) -> dict[str, Any]:
+    for res in results:
+        arm_dir = out / res["arm"]
+        series, t_offset = [], 0.0
+        for i, phase in enumerate(res["phases"]):
+            records = read_records(str(arm_dir / f"phase{i + 1}" / "records.parquet"))
+            t0 = min(r.intended_send_time for r in records)
+            series += [{**p, "t": p["t"] + t_offset, "phase": i + 1}
+                       for p in attainment_series(records, slo, t0, args.bin)]
+            phase["after_settling"] = phase_after_settling(records, slo, args.settle, args.phase_seconds)
+            t_offset += args.phase_seconds
+        res["series"] = series
+    verdicts = []
+    for i in range(2):
+        static_best = max(r["phases"][i]["after_settling"]["goodput_rps"] for r in results
+                          if r["arm"] != "controller")
+        ctl = next(r for r in results if r["arm"] == "controller")["phases"][i]["after_settling"]
+        verdicts.append({"phase": i + 1, "controller_attainment": ctl["attainment"],
+                         "controller_goodput_rps": ctl["goodput_rps"], "best_static_goodput_rps": static_best,
+                         "goodput_ratio": ctl["goodput_rps"] / static_best if static_best else None,
+                         "attainment_target_met": ctl["attainment"]["low"] is not None
+                         and ctl["attainment"]["low"] >= 0.9})
+    return {"verdicts": verdicts}
+
+
+def plot(results: list[dict[str, Any]], out: Path, args: argparse.Namespace) -> Path | None:
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for res in results:
+        s = res["series"]
+        fig.add_trace(go.Scatter(x=[p["t"] for p in s], y=[p["attainment"] for p in s], mode="lines+markers",
+                                 name=res["arm"]))
+    fig.add_hline(y=0.9, line_dash="dash", line_color="#d62728")
+    fig.add_vline(x=args.phase_seconds, line_dash="dot", line_color="#555")
+    fig.update_layout(template="plotly_white", width=1100, height=500,
+                      title=f"SLO attainment over time: phase 1 {args.rate:g} req/s, phase 2 "
+                            f"{args.rate2 or 4 * args.rate:g} req/s ({args.mix})",
+                      xaxis_title="seconds (intended send time)", yaxis_title="attainment", yaxis_range=[0, 1.05])
+    html = out / "controller_shift.html"
+    fig.write_html(str(html), include_plotlyjs=True)
+    try:
+        from dashboards.screenshots import full_page_screenshot, start_browser
+
+        browser = start_browser(width=1150, height=560)
+        try:
+            browser.get(html.resolve().as_uri())
+            time.sleep(2)
+            return full_page_screenshot(browser, out / "controller_shift.png", width=1150)
+        finally:
+            browser.quit()
+    except (FileNotFoundError, OSError, RuntimeError) as error:
+        print(f"no PNG ({error}); the figure is in {html}", file=sys.stderr)
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="build/controller-shift")
+    p.add_argument("--phase-seconds", type=float, default=300.0)
+    p.add_argument("--rate", type=float, default=0.4, help="phase one's rate (req/s)")
+    p.add_argument("--rate2", type=float, default=None, help="phase two's rate (default: 4 x --rate)")
+    p.add_argument("--mix", default="short=16:24")
+    p.add_argument("--settle", type=float, default=120.0, help="seconds after each phase starts not judged")
+    p.add_argument("--bin", type=float, default=20.0, help="seconds per point of the attainment curve")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--phase1-config", default=None, help="JSON knobs of the config tuned for phase one (default: "
+                   f"{json.dumps(PHASE_ONE_CONFIG)})")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    slo = SLO(tbt_p99=0.25, ttft_p99=3.0)
+    phase_one = json.loads(args.phase1_config) if args.phase1_config else PHASE_ONE_CONFIG
+    arms = [Arm("default", {}), Arm("phase1_tuned", phase_one), Arm("controller", phase_one, controlled=True)]
+    started = time.time()
+    results = []
+    for arm in arms:
+        print(f"arm {arm.name} ...", file=sys.stderr, flush=True)
+        results.append(run_arm(arm, args, out / arm.name, slo))
+    report = {"cpu": _cpu_name(), "machine": platform.machine(), "args": vars(args), "slo": slo.as_dict(),
+              "policy": POLICY, "wall_s": time.time() - started, "arms": results, **analyse(results, out, args, slo)}
+    (out / "controller_shift.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    png = plot(results, out, args)
+    for v in report["verdicts"]:
+        a = v["controller_attainment"]
+        print(f"phase {v['phase']}: controller attainment {a['value']:.1%} ({a['low']:.1%}-{a['high']:.1%}) after "
+              f"{args.settle:g}s; goodput {v['controller_goodput_rps']:.3f} vs best static "
+              f"{v['best_static_goodput_rps']:.3f} req/s (x{v['goodput_ratio'] or float('nan'):.2f})")
+    print(f"{out / 'controller_shift.json'}" + (f", {png}" if png else "") + f" ({report['wall_s'] / 60:.1f} min)")
+    return 0
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""The controller's parts on known data: the policy's controller sections and their contradictions, the statistics
+its verdicts use, the window arithmetic on scrapes, the drift test, the guardrails, the canary's verdicts and the
+decision log's resume."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from loadtest.summary import SLO
+from policies import PolicyError, load_policy, parse_policy
+from policies.control import Canary
+from tuner.control.canary import judge
+from tuner.control.decision_log import DecisionLog, read_log, resume
+from tuner.control.guardrails import changed, cooldown_left, move_policy, project, within
+from tuner.control.shape import Shape, drift_tests
+from tuner.control.sources import Scrape
+from tuner.control.window import CounterReset, WindowStats, window
+from tuner.statistics import mean_ratio_interval, proportion_difference_interval, rate_ratio_interval
+
+DEFAULT = yaml.safe_load(Path("policies/default.yaml").read_text())
+
+
+def policy_with(**sections: Any) -> Any:
+    return parse_policy({**DEFAULT, **sections})
+
+
+# Policy ------------------------------------------------------------------------------------------------------------
+def test_the_shipped_policy_has_the_controller_sections() -> None:
+    control = load_policy().control
+    assert control.triggers.attainment_target == 0.9 and control.canary.lease_s == control.canary.max_window + \
+        control.canary.lease_margin
+    assert control.guardrails.frozen == () and control.guardrails.cooldown > 0
+
+
+@pytest.mark.parametrize("sections, field", [
+    ({"guardrails": {"bounds": {"max_num_seqs": {"low": 32, "high": 64}}}}, "guardrails.bounds.max_num_seqs"),
+    ({"guardrails": {"bounds": {"max_num_seqs": {"low": 8, "high": 4}}}}, "guardrails.bounds.max_num_seqs.low"),
+    ({"guardrails": {"frozen": ["block_size"], "max_change": {"block_size": 2}}}, "guardrails.max_change.block_size"),
+    ({"guardrails": {"frozen": ["block_size"], "bounds": {"block_size": {"low": 8, "high": 16}}}},
+     "guardrails.bounds.block_size"),
+    ({"guardrails": {"frozen": ["max_num_seqs", "max_num_batched_tokens", "chunk_size", "block_size"]}},
+     "guardrails.frozen"),
+    ({"guardrails": {"bounds": {"preemption_mode": {"low": 1, "high": 2}}}}, "guardrails.bounds.preemption_mode"),
+    ({"guardrails": {"max_change": {"max_num_seqs": 0.5}}}, "guardrails.max_change.max_num_seqs"),
+    ({"canary": {"min_window": "3m", "max_window": "1m"}}, "canary.min_window"),
+    ({"triggers": {"attainment_target": 1.5}}, "triggers.attainment_target"),
+    ({"triggers": {"windw": "10s"}}, "triggers.windw"),
+    ({"retune": {"candidates": 0}}, "retune.candidates"),
+])
+def test_contradictory_or_bad_controller_fields_name_the_field(sections: dict[str, Any], field: str) -> None:
+    with pytest.raises(PolicyError) as error:
+        policy_with(**sections)
+    assert error.value.field == field, str(error.value)
+
+
+# Statistics --------------------------------------------------------------------------------------------------------
+def test_difference_of_shares_matches_newcombes_published_example() -> None:
+    # Newcombe (1998), Statistics in Medicine 17:873, table II example (56/70 vs 48/80): method 10 gives 0.0524-0.3339
+    d = proportion_difference_interval(56, 70, 48, 80)
+    assert d.value == pytest.approx(0.2)
+    assert d.low == pytest.approx(0.0524, abs=5e-4) and d.high == pytest.approx(0.3339, abs=5e-4)
+
+
+def test_difference_of_shares_covers_the_truth_at_its_level() -> None:
+    rng = np.random.default_rng(0)
+    hits = 0
+    for _ in range(400):
+        a, b = rng.binomial(60, 0.9), rng.binomial(60, 0.7)
+        d = proportion_difference_interval(int(a), 60, int(b), 60)
+        hits += d.low <= 0.2 <= d.high
+    assert hits / 400 >= 0.92
+
+
+def test_rate_ratio_and_mean_ratio_intervals() -> None:
+    r = rate_ratio_interval(120, 60.0, 60, 60.0)
+    assert r.value == pytest.approx(2.0) and 1.4 < r.low < 1.6 and 2.6 < r.high < 2.9
+    same = rate_ratio_interval(60, 60.0, 60, 60.0)
+    assert same.low < 1 < same.high
+    m = mean_ratio_interval([10, 11, 12, 9, 10], [20, 22, 19, 21, 20])
+    assert m.value == pytest.approx(52 / 102) and m.high < 0.7
+
+
+# Windows -----------------------------------------------------------------------------------------------------------
+def scrape(t: float, *, ok: float, count: float, finished: float, prompt: float = 0.0, output: float = 0.0,
+           generation: int = 1, waiting: float = 0.0, ttft_ok: float | None = None) -> Scrape:
+    values = {("slotune_request_itl_p99_seconds_bucket", (("le", "0.04"),)): ok * 0.9,
+              ("slotune_request_itl_p99_seconds_bucket", (("le", "0.05"),)): ok,
+              ("slotune_request_itl_p99_seconds_bucket", (("le", "0.06"),)): count,
+              ("slotune_request_itl_p99_seconds_count", ()): count,
+              ("slotune_request_success_total", (("finished_reason", "length"),)): finished,
+              ("slotune_request_success_total", (("finished_reason", "abort"),)): 0.0,
+              ("slotune_prompt_tokens_total", ()): prompt, ("slotune_generation_tokens_total", ()): output,
+              ("slotune_config_generation", ()): float(generation), ("slotune_num_requests_waiting", ()): waiting}
+    if ttft_ok is not None:
+        values[("slotune_time_to_first_token_seconds_bucket", (("le", "2.0"),))] = ttft_ok
+    return Scrape(t, values)
+
+
+def test_attainment_is_the_bucket_at_the_target_over_all_finished_requests() -> None:
+    w = window(scrape(0, ok=10, count=10, finished=10), scrape(30, ok=55, count=60, finished=62, prompt=1040,
+                                                               output=520, waiting=3), SLO(tbt_p99=0.05))
+    assert (w.finished, w.attaining) == (52, 45)  # two aborted-or-unmeasured requests do not attain
+    assert w.attainment.value == pytest.approx(45 / 52) and w.attainment.low < 45 / 52 < w.attainment.high
+    assert w.arrived == 55 and w.arrival_rate == pytest.approx(55 / 30) and w.mean_prompt == pytest.approx(20)
+    # a target between bucket bounds reads the bound below it (only requests sure to attain)
+    assert window(scrape(0, ok=0, count=0, finished=0), scrape(1, ok=10, count=10, finished=10),
+                  SLO(tbt_p99=0.045)).attaining == 9
+    # with a TTFT target: the smaller of the two marginal counts
+    both = window(scrape(0, ok=0, count=0, finished=0, ttft_ok=0), scrape(1, ok=10, count=10, finished=10,
+                                                                             ttft_ok=4), SLO(tbt_p99=0.05,
+                                                                                             ttft_p99=2.0))
+    assert both.attaining == 4
+
+
+def test_a_counter_that_went_down_means_a_restart() -> None:
+    with pytest.raises(CounterReset):
+        window(scrape(0, ok=50, count=50, finished=50), scrape(10, ok=3, count=3, finished=3), SLO(tbt_p99=0.05))
+
+
+# Drift -------------------------------------------------------------------------------------------------------------
+def shape(rate: float, prompt: float, seconds: float = 60.0, n: int = 30, seed: int = 0) -> Shape:
+    rng = np.random.default_rng(seed)
+    return Shape(seconds, int(rate * seconds), tuple(rng.normal(prompt, prompt * 0.2, n)),
+                 tuple(rng.normal(20, 4, n)), math.nan)
+
+
+def test_drift_is_judged_by_its_interval_not_a_raw_difference() -> None:
+    ref = shape(2.0, 100)
+    assert not any(t.drifted for t in drift_tests(shape(2.0, 100, seed=1), ref, 0.3))
+    # 20 % more traffic is a real change but within the 30 % threshold: no drift
+    assert not any(t.drifted for t in drift_tests(shape(2.4, 100, seed=2), ref, 0.3))
+    moved = {t.quantity: t.drifted for t in drift_tests(shape(4.0, 300, seed=3), ref, 0.3)}
+    assert moved == {"arrival_rate": True, "mean_prompt": True, "mean_output": False}
+    # the same doubling seen over a few seconds only is not enough evidence
+    assert not drift_tests(Shape(3.0, 6, (1.0, 2.0), (1.0, 1.0), math.nan),
+                           Shape(3.0, 3, (1.0, 2.0), (1.0, 1.0), math.nan), 0.3)[0].drifted
+
+
+# Guardrails --------------------------------------------------------------------------------------------------------
+def test_one_move_stays_within_bounds_change_limits_and_frozen_knobs() -> None:
+    p = policy_with(guardrails={"bounds": {"max_num_seqs": {"low": 2, "high": 12}}, "max_change": {"max_num_seqs": 2},
+                                "frozen": ["block_size"], "default_max_change": 4})
+    current = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "chunk_size": 32, "block_size": 16}
+    moved = move_policy(p, current)
+    seqs = moved.knob("max_num_seqs")
+    assert (seqs.low, seqs.high) == (4, 12) and moved.fixed["block_size"] == 16
+    assert set(moved.knob("max_num_batched_tokens").choices or ()) == {16, 32, 64, 128, 256}
+    assert within({**current, "max_num_seqs": 16}, current, p) is not None  # 2x but above the bound 12
+    assert "frozen" in (within({**current, "block_size": 32}, current, p) or "")
+    assert within({**current, "max_num_seqs": 12, "max_num_batched_tokens": 256}, current, p) is None
+    far = project({"max_num_seqs": 1, "max_num_batched_tokens": 16, "chunk_size": 8, "block_size": 8}, moved)
+    assert far["max_num_seqs"] == 4 and far["block_size"] == 16 and within(far, current, p) is None
+    assert changed(far, current) and cooldown_left(100.0, 90.0, p.control.guardrails) == pytest.approx(50.0)
+
+
+def test_a_config_outside_the_space_moves_toward_it_no_further_than_the_limit() -> None:
+    p = policy_with(guardrails={"default_max_change": 2})
+    moved = move_policy(p, {"max_num_seqs": 64, "max_num_batched_tokens": 512, "chunk_size": None, "block_size": 16},
+                        {"chunk_size": 512})
+    assert (moved.knob("max_num_seqs").low, moved.knob("max_num_seqs").high) == (32, 32)
+    assert moved.knob("max_num_batched_tokens").choices == (256,) and moved.fixed["chunk_size"] is None
+
+
+# Canary ------------------------------------------------------------------------------------------------------------
+def stats(attaining: int, finished: int) -> WindowStats:
+    return WindowStats(0.0, 30.0, finished, finished, attaining, 0.05, 0, 0, 0, 0, (1, 1))
+
+
+def test_canary_verdicts() -> None:
+    spec = Canary(min_requests=30, min_window=10, max_window=60, rollback_drop=0.15)
+    assert judge(stats(20, 40), stats(39, 40), 20, spec).action == "keep"
+    assert judge(stats(20, 40), stats(39, 40), 5, spec).action == "continue"  # not yet min_window
+    assert judge(stats(38, 40), stats(2, 10), 3, spec).action == "rollback"  # broken: at once
+    assert judge(stats(36, 40), stats(36, 40), 30, spec).action == "continue"
+    end = judge(stats(36, 40), stats(36, 40), 61, spec)
+    assert end.action == "rollback" and "no improvement" in end.reason
+
+
+# Decision log ------------------------------------------------------------------------------------------------------
+def test_resume_continues_ids_and_closes_an_open_canary_once(tmp_path: Path) -> None:
+    log = DecisionLog(tmp_path / "c.jsonl")
+    log.write("decision", id=1, outcome="no_move")
+    log.write("canary", id=2, generation=5, kept_knobs={"max_num_seqs": 4}, trigger={"kind": "drift"})
+    with open(tmp_path / "c.jsonl", "a") as f:
+        f.write('{"kind": "decision", "id": 2, "outc')  # cut short by kill -9
+    state = resume(read_log(tmp_path / "c.jsonl"))
+    assert state.next_id == 3 and state.open_canary is not None and state.open_canary["id"] == 2
+    log.write("decision", id=2, outcome="abandoned")
+    assert resume(read_log(tmp_path / "c.jsonl")).open_canary is None
+    assert [json.loads(line)["kind"] for line in (tmp_path / "c.jsonl").read_text().splitlines()
+            if line.endswith("}")][-1] == "decision"
+
+
+def test_a_canary_is_kept_on_its_own_arrivals_not_on_the_queue_it_inherited() -> None:
+    spec = Canary(min_requests=20, min_window=10, max_window=60, rollback_drop=0.15)
+    before, everything = stats(10, 40), stats(14, 40)  # the inherited backlog still misses its TTFT
+    assert judge(before, everything, 30, spec, fresh=None).action == "continue"  # the backlog has not drained
+    assert judge(before, everything, 30, spec, fresh=stats(24, 25)).action == "keep"
+    assert judge(before, everything, 61, spec, fresh=None).action == "rollback"

@@ -1,0 +1,48 @@
+"""Judging a canary: its attainment against the window before it (a Newcombe interval of the difference of the two
+shares). Keep it when it is better beyond the noise (after ``min_window`` and ``min_requests``); roll back at once
+when it is worse by more than ``rollback_drop`` beyond the noise; roll back at the end of ``max_window`` otherwise."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from policies.control import Canary
+from tuner.control.window import WindowStats
+from tuner.statistics import Interval, proportion_difference_interval
+
+MIN_FOR_ROLLBACK = 5  # finished canary requests before an early rollback is judged
+
+
+@dataclass(frozen=True)
+class CanaryVerdict:
+    action: str  # "continue" | "keep" | "rollback"
+    reason: str
+    difference: Interval  # canary attainment - before attainment
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"action": self.action, "reason": self.reason, "difference": self.difference.as_dict()}
+
+
+def judge(before: WindowStats, canary: WindowStats, elapsed: float, spec: Canary,
+          fresh: WindowStats | None | bool = True) -> CanaryVerdict:
+    """``canary``: everything that finished since the canary started (the rollback rule judges it). ``fresh``: the
+    requests that finished after those queued at the start had finished (FCFS: the canary's own arrivals), which a
+    keep is judged on; True: the same as ``canary``; None/False: that queue has not drained yet (no keep)."""
+    diff = proportion_difference_interval(canary.attaining, canary.finished, before.attaining, before.finished)
+    shown = diff.format(scale=100, unit=" pp")
+    if canary.finished >= MIN_FOR_ROLLBACK and diff.high < -spec.rollback_drop:
+        return CanaryVerdict("rollback", f"the SLO broke: attainment fell by {shown}, more than canary.rollback_drop "
+                                         f"({spec.rollback_drop:.0%}) beyond the noise", diff)
+    own = canary if fresh is True else fresh if isinstance(fresh, WindowStats) else None
+    if own is not None and elapsed >= spec.min_window and own.finished >= spec.min_requests:
+        own_diff = proportion_difference_interval(own.attaining, own.finished, before.attaining, before.finished)
+        if own_diff.low > 0:
+            return CanaryVerdict("keep", f"better beyond the noise: attainment +{own_diff.format(scale=100, unit=' pp')}"
+                                         f" over {own.finished} requests"
+                                         + ("" if own is canary else " that arrived under the canary"), own_diff)
+    if elapsed >= spec.max_window:
+        why = "too few requests" if canary.finished < spec.min_requests else "no improvement beyond the noise"
+        return CanaryVerdict("rollback", f"{why} within canary.max_window ({spec.max_window:g}s): attainment "
+                                         f"difference {shown}, {canary.finished} requests", diff)
+    return CanaryVerdict("continue", f"{canary.finished} requests, difference {shown}", diff)

@@ -1,0 +1,133 @@
+"""A candidate for one move: the simulator's step-time model refitted on the engine's recent step records, the
+workload rebuilt from the live shape, warm-started from the shared study's best configs, screened within the
+guardrails, and compared with the applied config on the same simulated arrivals."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loadtest.summary import SLO
+from policies import Policy, WorkloadSpec
+from tuner.control.guardrails import changed, move_policy, project, within
+from tuner.control.shape import Shape
+from tuner.screening import COMPARED, sample_configs
+from tuner.simulator_trial import SimTrialRunner
+from tuner.trial_runner import TrialOutcome
+
+LENGTH_SPREAD = 0.5  # the rebuilt workload's lengths: uniform within +-50 % of the live means
+MIN_GAIN = 0.05  # a candidate must beat the applied config's predicted goodput by this much (or its attainment)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    knobs: dict[str, Any]
+    summary: dict[str, Any]
+
+    @property
+    def attainment(self) -> float:
+        v = self.summary.get("attainment")
+        return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else 0.0
+
+    @property
+    def goodput(self) -> float:
+        v = self.summary.get("goodput_rps")
+        return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"knobs": self.knobs, **{k: self.summary.get(k) for k in COMPARED}}
+
+
+@dataclass(frozen=True)
+class Search:
+    """What one retune found: the best candidate (None: stay), the applied config's prediction, and why."""
+
+    candidate: Prediction | None
+    current: Prediction
+    reason: str
+    screened: int
+    workload: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"candidate": self.candidate.as_dict() if self.candidate else None, "current": self.current.as_dict(),
+                "reason": self.reason, "screened": self.screened, "workload": self.workload, "model": self.model}
+
+
+def live_workload(shape: Shape) -> WorkloadSpec:
+    """A one-class mixed workload with the live mean prompt and output lengths (+-50 %)."""
+    def span(mean: float) -> str:
+        m = max(1.0, mean if math.isfinite(mean) else 1.0)
+        return f"{max(1, round(m * (1 - LENGTH_SPREAD)))}-{max(1, round(m * (1 + LENGTH_SPREAD)))}"
+
+    return WorkloadSpec(name="mixed", length_scale=1.0, mix=f"live={span(shape.mean_prompt)}:{span(shape.mean_output)}",
+                        mix_weights="1")
+
+
+def refitted_model(steps: list[dict[str, Any]], block_size: int, profile: str | Path | None) -> Any:
+    """The shipped (or given) step-time profile rescaled to the engine's recent step records (unchanged when there
+    are too few of them)."""
+    from tuner.simulator import profile_path
+    from tuner.step_time_model import StepTimeModel
+
+    model = StepTimeModel.load(profile_path(str(profile) if profile else None))
+    tagged = [{**s, "block_size": block_size} for s in steps]
+    return model.rescaled(tagged, block_size) or model
+
+
+def _ranked(p: Prediction, target: float) -> tuple[bool, float, float]:
+    return (p.attainment >= target, p.goodput, p.attainment)
+
+
+def search(policy: Policy, current: dict[str, Any], resolved: dict[str, Any], shape: Shape,
+           steps: list[dict[str, Any]], study_knobs: list[dict[str, Any]], *, target: float,
+           profile: str | Path | None = None, seed: int = 0) -> Search:
+    """Screen one move's candidates at the live rate times the policy's headroom; the best one if it beats the
+    applied config's prediction (attainment reaching the target where the applied one's does not, or goodput by
+    MIN_GAIN)."""
+    from tuner.simulator import limits_of
+
+    retune = policy.control.retune
+    model = refitted_model(steps, int(resolved.get("block_size") or 16), profile)
+    workload = live_workload(shape)
+    rate = max(0.05, shape.arrival_rate * retune.headroom)
+    slo = SLO(tbt_p99=policy.slo.tbt_p99, ttft_p99=policy.slo.ttft_p99, e2e_p99=policy.slo.e2e_p99)
+    sim = SimTrialRunner(model, limits=limits_of(model), workload=workload, rate=rate, duration=retune.sim_duration,
+                         warmup=3.0, slo=slo, seed=seed, base_knobs=dict(current))
+    info = {"workload": {**workload.as_dict(), "rate": round(rate, 4)},
+            "model": {"rescaled": model.meta.get("rescaled"), "steps": len(steps)}}
+
+    def predict(knobs: dict[str, Any]) -> Prediction:
+        outcome: TrialOutcome = sim.run(knobs)
+        return Prediction(knobs, outcome.summary or {})
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # extrapolation warnings: the live shape may leave the profiled range
+        now = predict({})
+        try:
+            moved = move_policy(policy, current, resolved)
+        except ValueError as error:
+            return Search(None, Prediction(dict(current), now.summary), str(error), 0, **info)
+        pool = sample_configs(moved, retune.candidates, seed) + [project(k, moved) for k in study_knobs]
+        seen, preds = set(), []
+        for knobs in pool:
+            key = repr(sorted(knobs.items()))
+            if key in seen or not changed(knobs, current) or within(knobs, current, policy) is not None:
+                continue
+            seen.add(key)
+            preds.append(predict(knobs))
+    now = Prediction(dict(current), now.summary)
+    if not preds:
+        return Search(None, now, "no candidate within the guardrails differs from the applied config", 0, **info)
+    best = max(preds, key=lambda p: _ranked(p, target))
+    better = (best.attainment >= target > now.attainment) or (
+        best.attainment >= min(target, now.attainment) and best.goodput > now.goodput * (1 + MIN_GAIN))
+    if not better:
+        return Search(None, now, f"no candidate is predicted to beat the applied config (best: attainment "
+                                 f"{best.attainment:.0%}, goodput {best.goodput:.2f} rps; applied: "
+                                 f"{now.attainment:.0%}, {now.goodput:.2f} rps)", len(preds), **info)
+    return Search(best, now, f"predicted attainment {now.attainment:.0%} -> {best.attainment:.0%}, goodput "
+                             f"{now.goodput:.2f} -> {best.goodput:.2f} rps at {rate:.2f} req/s", len(preds), **info)

@@ -1,0 +1,96 @@
+"""``slotune control``: continuous retuning in staging.
+
+    slotune control --engine-url http://127.0.0.1:8000 --admin-token T --policy policies/default.yaml \\
+        --log controller.jsonl [--prometheus-url http://127.0.0.1:9090] [--storage tune-study.db] \\
+        [--mode advisory|act] [--metrics-port 9400]
+
+Watches the engine's metrics (its /metrics, or the same series through Prometheus), and on a trigger of the
+policy (attainment below target, workload drift, schedule) retunes in the simulator within the guardrails, runs
+the candidate as a leased canary, and keeps it or rolls it back. ``--mode advisory`` decides and logs, applies
+nothing. Every decision is one JSONL line in ``--log``; a restarted controller resumes from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from types import FrameType
+
+from policies import PolicyError, load_policy
+from tuner.control.controller_metrics import ControllerMetrics
+from tuner.control.decision_log import DecisionLog
+from tuner.control.engine_admin import LeasingEngine
+from tuner.control.loop import Controller
+from tuner.control.sources import EngineMetricsSource, MetricsSource, PrometheusSource
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="slotune control", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine-url", required=True, help="the engine (`slotune serve`): admin API and step records")
+    p.add_argument("--admin-token", required=True, help="the engine's admin token")
+    p.add_argument("--policy", default=None, help="policy YAML (default: the shipped policies/default.yaml)")
+    p.add_argument("--prometheus-url", default=None, help="read the metrics through this Prometheus server")
+    p.add_argument("--prometheus-selector", default="", help='label matchers for the engine\'s series, e.g. '
+                   'job="engine" (with --prometheus-url)')
+    p.add_argument("--storage", default=None, help="Optuna storage of the tuner's studies (warm start)")
+    p.add_argument("--profile", default=None, help="the simulator's step-time profile (default: the shipped one)")
+    p.add_argument("--mode", choices=("act", "advisory"), default="act")
+    p.add_argument("--log", default="controller.jsonl", help="the decision log (JSONL, appended)")
+    p.add_argument("--poll", type=float, default=2.0, help="seconds between scrapes")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve slotune_controller_* metrics here")
+    p.add_argument("--metrics-host", default="127.0.0.1")
+    p.add_argument("--propose", default=None, metavar="JSON", help="canary this config once (an operator's move, "
+                   "within the same lease and rollback rule), e.g. '{\"max_num_seqs\": 8}'")
+    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: run on)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        policy = load_policy(args.policy)
+    except PolicyError as error:
+        print(f"slotune control: {error}", file=sys.stderr)
+        return 2
+    if args.poll <= 0:
+        print("slotune control: --poll must be > 0", file=sys.stderr)
+        return 2
+    proposal = None
+    if args.propose:
+        try:
+            proposal = json.loads(args.propose)
+        except json.JSONDecodeError as error:
+            print(f"slotune control: --propose: not JSON: {error}", file=sys.stderr)
+            return 2
+        if not isinstance(proposal, dict) or not proposal:
+            print("slotune control: --propose: must be a JSON object of knobs", file=sys.stderr)
+            return 2
+    source: MetricsSource = (PrometheusSource(args.prometheus_url, args.prometheus_selector)
+                             if args.prometheus_url else EngineMetricsSource(args.engine_url))
+    metrics = ControllerMetrics()
+    if args.metrics_port is not None:
+        metrics.serve(args.metrics_port, args.metrics_host)
+    controller = Controller(policy, source, LeasingEngine(args.engine_url, args.admin_token), DecisionLog(args.log),
+                            metrics=metrics, mode=args.mode, poll_s=args.poll, profile=args.profile,
+                            storage=args.storage)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if args.duration is not None:
+        threading.Timer(args.duration, stop.set).start()
+    print(f"slotune control: watching {source.description} ({args.mode}), log {args.log}", file=sys.stderr,
+          flush=True)
+    controller.run(stop.is_set, proposal)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Where the controller reads the engine's metrics: its ``/metrics`` directly, or the same series from a Prometheus
+server that scrapes it (an instant PromQL query). Both give a :class:`Scrape` (series -> value at one time), and
+everything downstream (windows, attainment, workload shape) is computed from differences of two scrapes, so the two
+sources share one code path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+# The series the controller reads (counters carry prometheus_client's `_total` suffix).
+SERIES = ("slotune_request_itl_p99_seconds_bucket", "slotune_request_itl_p99_seconds_count",
+          "slotune_time_to_first_token_seconds_bucket", "slotune_time_to_first_token_seconds_count",
+          "slotune_request_success_total", "slotune_prompt_tokens_total", "slotune_generation_tokens_total",
+          "slotune_prefix_cache_queries_total", "slotune_prefix_cache_hits_total", "slotune_config_generation",
+          "slotune_knob", "slotune_config_lease_pending", "slotune_num_requests_running",
+          "slotune_num_requests_waiting", "slotune_num_requests_preempted")
+# Labels that tell replicas apart in Prometheus; the controller pools them (one engine behind one selector).
+_TARGET_LABELS = ("instance", "job")
+
+Labels = tuple[tuple[str, str], ...]
+
+
+class SourceUnavailable(RuntimeError):
+    """The metrics source did not answer (or answered nonsense); the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Scrape:
+    time: float  # wall clock of the scrape
+    values: dict[tuple[str, Labels], float]
+
+    def get(self, name: str, **labels: str) -> float:
+        return self.values.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def labelled(self, name: str, label: str) -> dict[str, float]:
+        """``label`` value -> value of every series of ``name`` that carries that label."""
+        return {dict(k[1])[label]: v for k, v in self.values.items() if k[0] == name and label in dict(k[1])}
+
+
+class MetricsSource(Protocol):
+    @property
+    def description(self) -> str: ...
+
+    def scrape(self) -> Scrape: ...
+
+
+def _key(name: str, labels: dict[str, str]) -> tuple[str, Labels]:
+    return name, tuple(sorted((k, v) for k, v in labels.items() if k not in _TARGET_LABELS and k != "__name__"))
+
+
+@dataclass
+class EngineMetricsSource:
+    """The engine's own ``/metrics`` (Prometheus text format)."""
+
+    engine_url: str
+    timeout: float = 10.0
+
+    @property
+    def description(self) -> str:
+        return f"{self.engine_url}/metrics"
+
+    def scrape(self) -> Scrape:
+        try:
+            r = httpx.get(self.engine_url.rstrip("/") + "/metrics", timeout=self.timeout)
+            r.raise_for_status()
+            families = list(text_string_to_metric_families(r.text))
+        except (httpx.HTTPError, ValueError) as error:
+            raise SourceUnavailable(f"{self.description}: {error}") from None
+        values: dict[tuple[str, Labels], float] = {}
+        for family in families:
+            for sample in family.samples:
+                if sample.name in SERIES:
+                    key = _key(sample.name, sample.labels)
+                    values[key] = values.get(key, 0.0) + float(sample.value)
+        return Scrape(time.time(), values)
+
+
+@dataclass
+class PrometheusSource:
+    """The same series from a Prometheus server, by one instant query; ``selector`` (e.g. ``job="engine"``) picks
+    the engine's series when the server scrapes several targets."""
+
+    prometheus_url: str
+    selector: str = ""
+    timeout: float = 10.0
+
+    @property
+    def description(self) -> str:
+        return f"{self.prometheus_url} (PromQL)"
+
+    def query(self) -> str:
+        names = "|".join(SERIES)
+        extra = f", {self.selector}" if self.selector else ""
+        return f'{{__name__=~"{names}"{extra}}}'
+
+    def scrape(self) -> Scrape:
+        try:
+            r = httpx.get(self.prometheus_url.rstrip("/") + "/api/v1/query", params={"query": self.query()},
+                          timeout=self.timeout)
+            r.raise_for_status()
+            body = r.json()
+        except (httpx.HTTPError, ValueError) as error:
+            raise SourceUnavailable(f"{self.description}: {error}") from None
+        if body.get("status") != "success":
+            raise SourceUnavailable(f"{self.description}: {body.get('error') or body}")
+        values: dict[tuple[str, Labels], float] = {}
+        for row in body["data"]["result"]:
+            labels = dict(row["metric"])
+            key = _key(labels.get("__name__", ""), labels)
+            values[key] = values.get(key, 0.0) + float(row["value"][1])
+        if not values:
+            raise SourceUnavailable(f"{self.description}: no slotune_ series (does it scrape the engine yet?)")
+        return Scrape(time.time(), values)

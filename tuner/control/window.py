@@ -1,0 +1,130 @@
+"""What happened between two scrapes: the requests that finished, how many attained the SLO, and the workload's
+shape (arrivals, mean prompt and output lengths, prefix-cache hit rate).
+
+Attainment follows DESIGN: a request attains when its own p99 inter-token gap is within the TBT target (and its
+TTFT within the TTFT target when set). The engine exports each finished request's own p99 gap as a histogram, so the
+attaining count is that histogram's bucket at the target, as an increase between the scrapes, over all requests
+that finished (aborted ones do not attain). A target between two bucket bounds is read at the bound below it (only
+requests sure to attain count). With a TTFT target the engine's two histograms give the marginal counts only, so the
+attaining count is the smaller of the two (an upper bound of the joint count).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from loadtest.summary import SLO
+from tuner.control.sources import Scrape
+from tuner.statistics import Interval, proportion_interval
+
+ITL_P99 = "slotune_request_itl_p99_seconds"
+TTFT = "slotune_time_to_first_token_seconds"
+
+
+class CounterReset(ValueError):
+    """A counter went down between two scrapes: the engine restarted; the window means nothing."""
+
+
+def bucket_at(scrape: Scrape, histogram: str, target: float) -> tuple[float, float]:
+    """(the count at the largest bucket bound <= target, that bound) of a histogram; (0, nan) without one."""
+    buckets = {float(le): v for le, v in scrape.labelled(f"{histogram}_bucket", "le").items()}
+    bounds = [b for b in buckets if b <= target * (1 + 1e-9)]
+    if not bounds:
+        return 0.0, math.nan
+    bound = max(bounds)
+    return buckets[bound], bound
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    start: float
+    end: float
+    finished: int  # requests that finished (stop, length or abort)
+    arrived: int  # requests that came in: finished plus the growth of the engine's queues
+    attaining: int
+    tbt_bound: float  # the bucket bound the TBT target was read at
+    prompt_tokens: float
+    generation_tokens: float
+    prefix_queries: float
+    prefix_hits: float
+    generations: tuple[int, int]  # config generation at the start and end
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+    @property
+    def attainment(self) -> Interval:
+        return proportion_interval(self.attaining, self.finished)
+
+    @property
+    def arrival_rate(self) -> float:
+        """Requests that arrived per second (finished ones plus the queues' growth: right under overload too)."""
+        return self.arrived / self.seconds if self.seconds > 0 else math.nan
+
+    @property
+    def mean_prompt(self) -> float:
+        return self.prompt_tokens / self.finished if self.finished else math.nan
+
+    @property
+    def mean_output(self) -> float:
+        return self.generation_tokens / self.finished if self.finished else math.nan
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else math.nan
+
+    def as_dict(self) -> dict[str, Any]:
+        def finite(x: float) -> float | None:
+            return round(x, 6) if math.isfinite(x) else None
+
+        return {"start": self.start, "end": self.end, "finished": self.finished, "arrived": self.arrived,
+                "attaining": self.attaining,
+                "attainment": self.attainment.as_dict(), "arrival_rate": finite(self.arrival_rate),
+                "mean_prompt": finite(self.mean_prompt), "mean_output": finite(self.mean_output),
+                "prefix_hit_rate": finite(self.prefix_hit_rate), "generations": list(self.generations)}
+
+
+def window(before: Scrape, after: Scrape, slo: SLO) -> WindowStats:
+    """The window between two scrapes. Raises CounterReset when a counter went down (an engine restart)."""
+    def delta(value_after: float, value_before: float, what: str) -> float:
+        d = value_after - value_before
+        if d < -1e-9:
+            raise CounterReset(f"{what} went down from {value_before:g} to {value_after:g}: the engine restarted")
+        return max(0.0, d)
+
+    assert slo.tbt_p99 is not None
+    ok_after, bound = bucket_at(after, ITL_P99, slo.tbt_p99)
+    ok_before, _ = bucket_at(before, ITL_P99, slo.tbt_p99)
+    attaining = delta(ok_after, ok_before, "the TBT-attaining count")
+    reasons = after.labelled("slotune_request_success_total", "finished_reason")
+    reasons_before = before.labelled("slotune_request_success_total", "finished_reason")
+    finished = sum(delta(v, reasons_before.get(k, 0.0), f"finished requests ({k})") for k, v in reasons.items())
+    if slo.ttft_p99 is not None:
+        ttft_ok = delta(bucket_at(after, TTFT, slo.ttft_p99)[0], bucket_at(before, TTFT, slo.ttft_p99)[0],
+                        "the TTFT-attaining count")
+        attaining = min(attaining, ttft_ok)
+    # A request may finish between the two histogram reads of one scrape: never more attaining than finished.
+    finished_n = round(finished)
+    queued = [sum(s.get(f"slotune_num_requests_{q}") for q in ("running", "waiting", "preempted"))
+              for s in (before, after)]
+    return WindowStats(
+        start=before.time, end=after.time, finished=finished_n,
+        arrived=max(0, finished_n + round(queued[1] - queued[0])), attaining=min(round(attaining), finished_n),
+        tbt_bound=bound,
+        prompt_tokens=delta(after.get("slotune_prompt_tokens_total"), before.get("slotune_prompt_tokens_total"),
+                            "prompt tokens"),
+        generation_tokens=delta(after.get("slotune_generation_tokens_total"),
+                                before.get("slotune_generation_tokens_total"), "generated tokens"),
+        prefix_queries=delta(after.get("slotune_prefix_cache_queries_total"),
+                             before.get("slotune_prefix_cache_queries_total"), "prefix-cache queries"),
+        prefix_hits=delta(after.get("slotune_prefix_cache_hits_total"), before.get("slotune_prefix_cache_hits_total"),
+                          "prefix-cache hits"),
+        generations=(int(before.get("slotune_config_generation")), int(after.get("slotune_config_generation"))))
+
+
+def knobs_of(scrape: Scrape) -> dict[str, float]:
+    """The applied knob values the engine exports (numbers; see engine metrics ``slotune_knob``)."""
+    return scrape.labelled("slotune_knob", "name")
