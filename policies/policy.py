@@ -147,6 +147,7 @@ class WorkloadSpec:
     time_scale: float | None = None
     trace_offset: float = 0.0  # seconds of the trace's own timeline to skip (traces often start sparse)
     max_context: int | None = None
+    output_scale: float | None = None  # output lengths' own scale (None: length_scale scales outputs too)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -158,6 +159,34 @@ class PruningSpec:
     min_gaps: int = 100
     violation_share: float = 0.05
     min_elapsed: float = 0.3
+
+
+@dataclass(frozen=True)
+class MeasurementPolicy:
+    """How one measurement of a config at a rate is sized (tuner/measurement.py): windows of ``trial_duration``
+    until its figures are decided at ``level``, at most ``cap`` seconds of windows."""
+
+    level: float = 0.95      # two-sided confidence level of every interval, in (0.5, 1)
+    min_gaps: int = 400      # a p99 TBT is judged only from this many pooled gaps on (>= 1)
+    cap: float = 60.0        # seconds of measurement windows at most (>= trial_duration)
+
+
+@dataclass(frozen=True)
+class CapacityPolicy:
+    """The per-config rate search (tuner/capacity.py)."""
+
+    resolution: float = 0.15  # stop when the bracket's high/low <= 1 + resolution (> 0)
+    max_probes: int = 6       # measurements per config at most (>= 1)
+    start_rate: float = 1.0   # req/s of the first probe when nothing is known yet (> 0)
+
+
+@dataclass(frozen=True)
+class VerdictPolicy:
+    """The paired, repeated comparison of the best configs with the default config (tuner/verdict.py)."""
+
+    candidates: int = 2       # best configs re-measured beside the default (>= 1)
+    max_rounds: int = 4       # paired rounds at most (>= 2)
+    budget: float = 300.0     # seconds the rounds may take in all (> 0)
 
 
 @dataclass(frozen=True)
@@ -176,6 +205,9 @@ class Policy:
     workload: WorkloadSpec = WorkloadSpec()
     rate: float | None = None  # None = auto
     pruning: PruningSpec = PruningSpec()
+    measurement: MeasurementPolicy = MeasurementPolicy()
+    capacity: CapacityPolicy = CapacityPolicy()
+    verdict: VerdictPolicy = VerdictPolicy()
     source: str = "<built-in>"
 
     @property
@@ -201,7 +233,9 @@ class Policy:
                 "sampler": self.sampler, "start": self.start, "objective": self.objective, "trials": self.trials,
                 "trial_duration": self.trial_duration, "warmup": self.warmup, "seed": self.seed,
                 "workload": self.workload.as_dict(), "rate": self.rate if self.rate is not None else "auto",
-                "pruning": dataclasses.asdict(self.pruning), "source": self.source}
+                "pruning": dataclasses.asdict(self.pruning), "measurement": dataclasses.asdict(self.measurement),
+                "capacity": dataclasses.asdict(self.capacity), "verdict": dataclasses.asdict(self.verdict),
+                "source": self.source}
 
 
 # ------------------------------------------------------------------------------------------------ parsing
@@ -338,7 +372,8 @@ def _rate(value: Any, path: str) -> float | None:
 
 
 TOP_FIELDS = {"slo", "search_space", "fixed", "constraints", "sampler", "start", "objective", "trials",
-              "trial_duration", "warmup", "seed", "workload", "rate", "pruning", "guardrails", "triggers", "name",
+              "trial_duration", "warmup", "seed", "workload", "rate", "pruning", "measurement", "capacity",
+              "verdict", "guardrails", "triggers", "name",
               "description"}
 
 
@@ -391,7 +426,9 @@ def parse_policy(data: Any, source: str = "<dict>") -> Policy:
                                                                       low=0, low_open=True),
         trace_offset=_warmup_like(wl.get("trace_offset", 0), "workload.trace_offset"),
         max_context=None if wl.get("max_context") is None else _number(wl["max_context"], "workload.max_context",
-                                                                        int, low=2))
+                                                                        int, low=2),
+        output_scale=None if wl.get("output_scale") is None else _number(wl["output_scale"], "workload.output_scale",
+                                                                          float, low=0, low_open=True))
     pr = _mapping(data.get("pruning"), "pruning")
     _unknown(pr, {f.name for f in dataclasses.fields(PruningSpec)}, "pruning")
     enabled = pr.get("enabled", True)
@@ -403,18 +440,52 @@ def parse_policy(data: Any, source: str = "<dict>") -> Policy:
         violation_share=_number(pr.get("violation_share", 0.05), "pruning.violation_share", float, low=0.01,
                                 high=1.0),
         min_elapsed=_number(pr.get("min_elapsed", 0.3), "pruning.min_elapsed", float, low=0.0, high=1.0))
+    trial_duration = _duration(data.get("trial_duration", "20s"), "trial_duration", required=True)
+    assert trial_duration is not None
+    measurement, capacity, verdict = _evidence_sections(data, trial_duration)
     policy = Policy(
         slo=targets, search_space=space, fixed=fixed, constraints=constraints, sampler=sampler, start=start,
         objective=objective,
         trials=_number(data.get("trials", 10), "trials", int, low=1),
-        trial_duration=_duration(data.get("trial_duration", "20s"), "trial_duration", required=True),  # type: ignore
+        trial_duration=trial_duration,
         warmup=_warmup(data.get("warmup", "3s")),
         seed=_number(data.get("seed", 0), "seed", int, low=0),
-        workload=workload, rate=_rate(data.get("rate", "auto"), "rate"), pruning=pruning, source=source)
+        workload=workload, rate=_rate(data.get("rate", "auto"), "rate"), pruning=pruning, measurement=measurement,
+        capacity=capacity, verdict=verdict, source=source)
     if sampler == "grid":
         for k in space:
             k.grid_values()
     return policy
+
+
+def _evidence_sections(data: dict[str, Any], trial_duration: float
+                       ) -> tuple[MeasurementPolicy, CapacityPolicy, VerdictPolicy]:
+    """The ``measurement``, ``capacity`` and ``verdict`` sections (each optional, defaults as in the dataclasses)."""
+    ms = _mapping(data.get("measurement"), "measurement")
+    _unknown(ms, {f.name for f in dataclasses.fields(MeasurementPolicy)}, "measurement")
+    level = _number(ms.get("level", 0.95), "measurement.level", float, low=0.5, low_open=True)
+    if level >= 1.0:
+        raise PolicyError("measurement.level", f"must be < 1, got {level!r}")
+    cap = _duration(ms.get("cap", "60s"), "measurement.cap", required=True)
+    assert cap is not None
+    if cap < trial_duration:
+        raise PolicyError("measurement.cap", f"must be >= trial_duration ({trial_duration:g}s), got {cap:g}s")
+    measurement = MeasurementPolicy(level=level, min_gaps=_number(ms.get("min_gaps", 400), "measurement.min_gaps",
+                                                                  int, low=1), cap=cap)
+    cs = _mapping(data.get("capacity"), "capacity")
+    _unknown(cs, {f.name for f in dataclasses.fields(CapacityPolicy)}, "capacity")
+    capacity = CapacityPolicy(
+        resolution=_number(cs.get("resolution", 0.15), "capacity.resolution", float, low=0, low_open=True),
+        max_probes=_number(cs.get("max_probes", 6), "capacity.max_probes", int, low=1),
+        start_rate=_number(cs.get("start_rate", 1.0), "capacity.start_rate", float, low=0, low_open=True))
+    vs = _mapping(data.get("verdict"), "verdict")
+    _unknown(vs, {f.name for f in dataclasses.fields(VerdictPolicy)}, "verdict")
+    budget = _duration(vs.get("budget", "5m"), "verdict.budget", required=True)
+    assert budget is not None
+    verdict = VerdictPolicy(candidates=_number(vs.get("candidates", 2), "verdict.candidates", int, low=1),
+                            max_rounds=_number(vs.get("max_rounds", 4), "verdict.max_rounds", int, low=2),
+                            budget=budget)
+    return measurement, capacity, verdict
 
 
 def _warmup(value: Any) -> float:

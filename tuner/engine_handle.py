@@ -93,6 +93,12 @@ class EngineHandle:
             raise EngineError(f"{self.url}/admin/config answered {r.status_code}: {r.text[:200]}")
         return r.json()
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix block no running request holds (POST /admin/reset_prefix_cache), so a trial does
+        not ride on an earlier one's cache; returns how many blocks were dropped."""
+        r = self._request("POST", "/admin/reset_prefix_cache")
+        return int(self._admin_json(r).get("dropped_blocks", 0))
+
     def steps(self, since: int = -1) -> tuple[list[dict[str, Any]], int]:
         """Step records after step ``since`` (oldest first) and the engine's last step number."""
         r = self._request("GET", "/debug/steps", params={"since": since})

@@ -1,0 +1,179 @@
+"""The measurement's stopping rule, the capacity search and the paired verdict, on scripted trials with known
+answers (no engine: each scripted trial writes a real trial folder of records that the measurement reads back)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from loadtest.records import RequestRecord, write_records
+from loadtest.summary import SLO, summarize
+from tuner.capacity import knob_distance, next_rate, search_capacity, start_from_known
+from tuner.measurement import Figures, Measurement, MeasurementSpec, figures, measure, should_stop
+from tuner.statistics import Interval
+from tuner.trial_runner import TrialOutcome
+from tuner.verdict import Contender, paired_verdict, verdict_line
+
+SLO_50MS = SLO(tbt_p99=0.050, ttft_p99=2.0)
+
+
+@dataclass
+class ScriptedBackend:
+    """Each trial: ``requests`` requests of 20 tokens; a share ``bad`` of them stutter (100 ms gaps, so they do not
+    attain), the others keep 10-30 ms gaps."""
+
+    bad: float
+    requests: int = 40
+    slo: SLO = SLO_50MS
+    simulated: bool = True
+    calls: list[int] = field(default_factory=list)
+
+    def run(self, knobs: dict[str, Any], out_dir: Path, rate: float | None = None,
+            seed: int | None = None) -> TrialOutcome:
+        rng = np.random.default_rng(seed)
+        self.calls.append(int(seed or 0))
+        recs = []
+        for i in range(self.requests):
+            at = i * 0.5
+            stutter = rng.random() < self.bad
+            gaps = np.full(19, 0.100) if stutter else rng.uniform(0.010, 0.030, 19)
+            first = at + 0.2
+            times = list(first + np.concatenate([[0.0], np.cumsum(gaps)]))
+            recs.append(RequestRecord(index=i, scheduled_at=at, intended_send_time=at, actual_send_time=at,
+                                      output_tokens=20, ttft=0.2, token_times=times, finish_time=times[-1]))
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        write_records(str(Path(out_dir) / "records.parquet"), recs)
+        window = (0.0, self.requests * 0.5)
+        summary = summarize(recs, self.slo, window=window)
+        return TrialOutcome(dict(knobs), summary, {}, True, None, Path(out_dir), simulated=True, rate=rate)
+
+
+def run_measurement(bad: float, tmp_path: Path, segments: int = 4) -> tuple[Measurement, ScriptedBackend]:
+    backend = ScriptedBackend(bad)
+    m = measure(backend, {"max_num_seqs": 4}, 2.0, tmp_path, draw=3, spec=MeasurementSpec(max_segments=segments))
+    return m, backend
+
+
+def test_a_clear_case_stops_after_one_window(tmp_path: Path) -> None:
+    met, backend = run_measurement(0.0, tmp_path / "met")
+    assert met.verdict == "met" and len(met.segments) == 1 and backend.calls == [3000]
+    # 40 requests cannot bound a p99 TTFT from above (368 can): it stays undecided without holding the window open
+    assert met.figures is not None and met.figures.verdicts == {"attainment": "met", "tbt_p99": "met",
+                                                                "ttft_p99": "undecided"}
+    missed, _ = run_measurement(0.5, tmp_path / "missed")
+    assert missed.verdict == "missed" and len(missed.segments) == 1
+
+
+def test_a_borderline_case_extends_to_the_cap_and_says_undecided(tmp_path: Path) -> None:
+    # 10 % of requests stutter: attainment ~90 %, right at the target share; the pooled p99 TBT (gaps of 100 ms
+    # make up ~10 % of all gaps) is clearly above 50 ms but attainment decides feasibility
+    m, backend = run_measurement(0.1, tmp_path, segments=4)
+    assert len(m.segments) == 4 and backend.calls == [3000, 3001, 3002, 3003]  # a fresh arrival draw per window
+    assert m.figures is not None and m.figures.requests == 160
+    assert m.figures.attainment.low < 0.9 < m.figures.attainment.high
+    assert m.verdict == "undecided" and "undecided" in m.describe()
+
+
+def test_a_p99_from_too_few_gaps_is_never_decided() -> None:
+    recs = [RequestRecord(index=i, ttft=0.1, token_times=[0.1, 0.11, 0.12]) for i in range(60)]
+    f = figures(recs, SLO_50MS, MeasurementSpec(min_gaps=400))
+    assert f.gaps == 120 and f.verdicts["tbt_p99"] == "undecided" and not should_stop(f)
+    unfinished = [RequestRecord(index=i, status="unfinished") for i in range(5)]
+    g = figures(recs + unfinished, SLO_50MS)
+    assert g.attaining == 60 and g.ttft_p99.high == math.inf  # no first token: an infinite TTFT
+
+
+def scripted_measurement(rate: float, verdict: str) -> Measurement:
+    iv = Interval(0.9, 0.8, 1.0, 0.95, 50)
+    f = Figures(50, 45, 1000, iv, iv, iv, {"attainment": verdict})  # type: ignore[dict-item]
+    return Measurement({"max_num_seqs": 4}, rate, f)
+
+
+def truth(capacity: float, edge: float = 0.04) -> Any:
+    def probe(rate: float) -> Measurement:
+        v = "met" if rate <= capacity * (1 - edge) else "missed" if rate >= capacity * (1 + edge) else "undecided"
+        return scripted_measurement(rate, v)
+    return probe
+
+
+@pytest.mark.parametrize("capacity", [0.3, 1.0, 3.7, 11.0])
+def test_the_rate_search_brackets_the_capacity_up_or_down_to_its_resolution(capacity: float) -> None:
+    cap = search_capacity(truth(capacity), {"max_num_seqs": 4}, start=1.0, resolution=0.15, max_probes=12)
+    assert cap.resolved, cap.as_dict()
+    assert cap.low <= capacity * 1.04 and capacity * 0.96 <= cap.high
+    assert cap.high / cap.low <= 1.15 + 1e-9 and cap.interval.low == cap.low and cap.interval.high == cap.high
+
+
+def test_a_config_that_serves_nothing_has_capacity_zero_and_a_rejected_one_stops_at_once() -> None:
+    cap = search_capacity(truth(0.001), {}, start=1.0, max_probes=20)
+    assert not cap.feasible and cap.value == 0.0 and "lowest rate" in cap.stopped
+    rejected = Measurement({}, 1.0, None, reason="rejected by the engine: chunk_size > max_num_batched_tokens")
+    cap2 = search_capacity(lambda r: rejected, {}, start=1.0, max_probes=6)
+    assert len(cap2.probes) == 1 and cap2.rejected
+
+
+def test_known_neighbours_start_the_search_near_their_capacity() -> None:
+    names = ["max_num_seqs", "chunk_size"]
+    known = [({"max_num_seqs": 4, "chunk_size": 16}, 2.0, 2.2), ({"max_num_seqs": 64, "chunk_size": 16}, 0.5, 0.6)]
+    assert start_from_known({"max_num_seqs": 8, "chunk_size": 16}, known, names, 1.0) == (2.0, 1.5)
+    assert start_from_known({"max_num_seqs": 8}, [], names, 1.0) == (1.0, 2.0)
+    assert knob_distance({"max_num_seqs": 4}, {"max_num_seqs": 16}, ["max_num_seqs"]) == 2.0
+    cap = search_capacity(truth(2.1), {}, start=2.0, step=1.5, resolution=0.15, max_probes=8)
+    assert cap.resolved and len(cap.probes) <= 4
+    assert next_rate(0.0, math.inf, 1.0, 2.0) == 1.0 and next_rate(1.0, 4.0, 1.0, 2.0) == 2.0
+
+
+def crn_round_capacity(capacities: dict[str, float], sigma_draw: float = 0.15, sigma_own: float = 0.03) -> Any:
+    """A round's capacity: the true one times a factor shared by every config on that draw (the arrival draw's
+    luck) and a small factor of its own."""
+    def round_capacity(c: Contender, draw: int) -> tuple[float, float]:
+        shared = np.random.default_rng([draw]).normal(0.0, sigma_draw)
+        own = np.random.default_rng([draw, hash(c.name) % 1000]).normal(0.0, sigma_own)
+        return capacities[c.name] * math.exp(shared + own), 100.0
+    return round_capacity
+
+
+def test_the_paired_verdict_finds_no_difference_between_two_draws_of_one_config() -> None:
+    for first in (100, 200, 300):
+        d = Contender("default", {"max_num_seqs": 64}, 2.0)
+        same = Contender("candidate 1", {"max_num_seqs": 64}, 2.0)
+        r = paired_verdict(d, [same], crn_round_capacity({"default": 2.0, "candidate 1": 2.0}), max_rounds=6,
+                           first_draw=first)
+        assert r.winner is None and r.ratio(same).contains(1.0), r.as_dict()
+        assert "no config beats the default beyond the noise" in verdict_line(r, "p99 TBT <= 50ms")
+
+
+def test_the_paired_verdict_names_the_better_config_and_stops_early() -> None:
+    d = Contender("default", {"max_num_seqs": 64}, 2.0)
+    worse = Contender("candidate 2", {"max_num_seqs": 1}, 1.0)
+    better = Contender("candidate 1", {"max_num_seqs": 8}, 3.0)
+    r = paired_verdict(d, [better, worse], crn_round_capacity({"default": 2.0, "candidate 1": 3.0,
+                                                               "candidate 2": 1.0}), max_rounds=8)
+    assert r.winner is better and len(d.rounds) < 8  # the shared draw noise cancels: decided in a few rounds
+    ratio = r.ratio(better)
+    assert ratio.low > 1.0 and ratio.contains(1.5)
+    line = verdict_line(r, "p99 TBT <= 50ms and p99 TTFT <= 2s")
+    assert line.startswith("tuned serves ") and "x (" in line and "the default config's" in line
+    # order alternates between rounds: the default first in round 1, last in round 2
+    assert r.as_dict()["winner"] == "candidate 1"
+
+
+def test_the_verdict_stops_when_the_budget_would_be_exceeded() -> None:
+    t = [0.0]
+
+    def clock() -> float:
+        return t[0]
+
+    def slow_round(c: Contender, draw: int) -> tuple[float, float]:
+        t[0] += 50.0
+        return 2.0 * (1.0 + 0.3 * ((draw + len(c.name)) % 3)), 100.0
+
+    d = Contender("default", {}, 2.0)
+    c = Contender("candidate 1", {}, 2.0)
+    r = paired_verdict(d, [c], slow_round, max_rounds=10, budget_s=250.0, clock=clock)
+    assert "time budget" in r.stopped and len(d.rounds) == len(c.rounds) < 10

@@ -1,0 +1,144 @@
+"""The paired, repeated verdict: the default config and the best candidates re-measured round by round on fresh
+arrival draws, every config of a round on the same draw (common random numbers), the order alternating between
+rounds, until the best candidate's capacity ratio to the default has an interval that excludes 1, or the rounds or
+the time budget run out.
+
+Each round measures each config's capacity again (a short rate search started at what the search found: a config's
+round capacity is the highest rate that round showed it serves). A config's capacity over the rounds is the
+geometric mean of its round capacities with a t interval on the log scale; the ratio of two configs is the paired
+ratio of their round capacities (tuner.statistics.paired_ratio_interval).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tuner.statistics import DEFAULT_LEVEL, Interval, paired_ratio_interval, ratio_verdict
+
+DEFAULT = "default"
+
+
+@dataclass
+class Contender:
+    name: str  # "default" or "candidate N"
+    knobs: dict[str, Any]
+    start: float  # where its round searches start (its capacity from the search)
+    rounds: list[float] = field(default_factory=list)  # capacity per round, req/s
+    tokens: list[float] = field(default_factory=list)  # output tokens/s at that capacity per round
+
+    def capacity(self, level: float = DEFAULT_LEVEL) -> Interval:
+        """Geometric mean of the round capacities with its t interval (a round that served nothing counts as half
+        the lowest rate it tried; with one round the interval is unbounded)."""
+        return geometric_interval(self.rounds, level)
+
+
+def geometric_interval(values: list[float], level: float = DEFAULT_LEVEL) -> Interval:
+    positive = [v for v in values if v > 0]
+    if not positive:
+        return Interval(0.0, 0.0, math.inf, level, len(values))
+    # the paired ratio against a constant 1 is the geometric mean with its t interval
+    return paired_ratio_interval(positive, [1.0] * len(positive), level)
+
+
+@dataclass
+class VerdictResult:
+    default: Contender
+    candidates: list[Contender]
+    level: float
+    stopped: str
+
+    def ratio(self, c: Contender) -> Interval:
+        n = min(len(c.rounds), len(self.default.rounds))
+        return paired_ratio_interval(c.rounds[:n], self.default.rounds[:n], self.level)
+
+    @property
+    def best(self) -> Contender | None:
+        """The candidate with the highest ratio's lower bound (then point), if any was measured."""
+        measured = [c for c in self.candidates if c.rounds]
+        if not measured:
+            return None
+        return max(measured, key=lambda c: (self.ratio(c).low, self.ratio(c).value))
+
+    @property
+    def winner(self) -> Contender | None:
+        """The best candidate when it beats the default beyond the noise, else None."""
+        b = self.best
+        return b if b is not None and ratio_verdict(self.ratio(b)) == "better" else None
+
+    @property
+    def safest(self) -> Contender:
+        """No winner: the config whose capacity's lower bound is highest (the default on ties)."""
+        everyone = [self.default] + [c for c in self.candidates if c.rounds]
+        return max(everyone, key=lambda c: (finite(c.capacity(self.level).low), c is self.default))
+
+    def as_dict(self) -> dict[str, Any]:
+        def entry(c: Contender) -> dict[str, Any]:
+            d: dict[str, Any] = {"knobs": c.knobs, "rounds_req_per_s": c.rounds, "rounds_tokens_per_s": c.tokens,
+                                 "capacity_req_per_s": c.capacity(self.level).as_dict()}
+            if c is not self.default:
+                d["ratio_to_default"] = self.ratio(c).as_dict()
+                d["ratio_verdict"] = ratio_verdict(self.ratio(c))
+            return d
+
+        return {"level": self.level, "stopped": self.stopped, "default": entry(self.default),
+                "candidates": [entry(c) for c in self.candidates],
+                "winner": self.winner.name if self.winner else None, "safest": self.safest.name}
+
+
+def finite(x: float) -> float:
+    return x if math.isfinite(x) else 0.0
+
+
+RoundCapacity = Callable[[Contender, int], tuple[float, float | None]]
+
+
+def paired_verdict(default: Contender, candidates: list[Contender], round_capacity: RoundCapacity,
+                   max_rounds: int = 4, budget_s: float = 300.0, level: float = DEFAULT_LEVEL, first_draw: int = 100,
+                   on_round: Callable[[int, VerdictResult], None] | None = None,
+                   clock: Callable[[], float] = time.monotonic) -> VerdictResult:
+    """Rounds of ``round_capacity(contender, draw) -> (capacity req/s, output tokens/s)`` for the default and every
+    candidate, alternating the order, until the best ratio's interval excludes 1 (after at least two rounds), the
+    rounds run out, or a round would not fit in what is left of ``budget_s`` (judged by the slowest round so far)."""
+    result = VerdictResult(default, candidates, level, "")
+    started = clock()
+    slowest = 0.0
+    for r in range(max_rounds):
+        if r >= 2 and clock() - started + slowest > budget_s:
+            result.stopped = f"time budget ({budget_s:.0f}s) used after {r} rounds"
+            return result
+        t0 = clock()
+        everyone = [default] + candidates
+        for c in (everyone if r % 2 == 0 else everyone[::-1]):
+            cap, toks = round_capacity(c, first_draw + r)
+            c.rounds.append(cap)
+            c.tokens.append(toks if toks is not None else math.nan)
+        slowest = max(slowest, clock() - t0)
+        if on_round is not None:
+            on_round(r + 1, result)
+        best = result.best
+        if r >= 1 and best is not None and ratio_verdict(result.ratio(best)) != "no difference beyond the noise":
+            result.stopped = f"the ratio's interval excludes 1 after {r + 1} rounds"
+            return result
+    result.stopped = f"{max_rounds} rounds"
+    return result
+
+
+def verdict_line(result: VerdictResult, slo_text: str) -> str:
+    """The last line of ``tune``: what the tuned config serves, against the default config, with intervals."""
+    d = result.default.capacity(result.level)
+    w = result.winner
+    if w is not None:
+        c, ratio = w.capacity(result.level), result.ratio(w)
+        return (f"tuned serves {c.format(' req/s', 1, 3)} within {slo_text}, {ratio.format('x', 1, 3)} the default "
+                f"config's {d.format(' req/s', 1, 3)} ({len(w.rounds)} paired rounds, {result.level:.0%} intervals)")
+    safe = result.safest
+    best = result.best
+    tail = ""
+    if best is not None:
+        tail = f"; best candidate {best.capacity(result.level).format(' req/s', 1, 3)}, ratio " \
+               f"{result.ratio(best).format('x', 1, 3)}"
+    return (f"no config beats the default beyond the noise within {slo_text}: default {d.format(' req/s', 1, 3)}"
+            f"{tail}; safest: {safe.name} ({result.stopped})")
