@@ -4,6 +4,7 @@ answers (no engine: each scripted trial writes a real trial folder of records th
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,19 +134,26 @@ def crn_round_capacity(capacities: dict[str, float], sigma_draw: float = 0.15, s
     luck) and a small factor of its own."""
     def round_capacity(c: Contender, draw: int) -> tuple[float, float]:
         shared = np.random.default_rng([draw]).normal(0.0, sigma_draw)
-        own = np.random.default_rng([draw, hash(c.name) % 1000]).normal(0.0, sigma_own)
+        own = np.random.default_rng([draw, zlib.crc32(c.name.encode())]).normal(0.0, sigma_own)
         return capacities[c.name] * math.exp(shared + own), 100.0
     return round_capacity
 
 
 def test_the_paired_verdict_finds_no_difference_between_two_draws_of_one_config() -> None:
-    for first in (100, 200, 300):
+    # two copies of one config: over many verdicts, "better" or "worse" at most about as often as the level allows
+    # (each verdict looks after every round: the per-look level keeps the overall error near 5 %)
+    wrong = 0
+    verdicts = 60
+    for first in range(0, 1000 * verdicts, 1000):
         d = Contender("default", {"max_num_seqs": 64}, 2.0)
         same = Contender("candidate 1", {"max_num_seqs": 64}, 2.0)
         r = paired_verdict(d, [same], crn_round_capacity({"default": 2.0, "candidate 1": 2.0}), max_rounds=6,
                            first_draw=first)
-        assert r.winner is None and r.ratio(same).contains(1.0), r.as_dict()
-        assert "no config beats the default beyond the noise" in verdict_line(r, "p99 TBT <= 50ms")
+        if r.winner is not None or not r.ratio(same).contains(1.0):
+            wrong += 1
+        else:
+            assert "no config beats the default beyond the noise" in verdict_line(r, "p99 TBT <= 50ms")
+    assert wrong / verdicts <= 0.10, wrong
 
 
 def test_the_paired_verdict_names_the_better_config_and_stops_early() -> None:

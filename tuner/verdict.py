@@ -43,16 +43,27 @@ def geometric_interval(values: list[float], level: float = DEFAULT_LEVEL) -> Int
     return paired_ratio_interval(positive, [1.0] * len(positive), level)
 
 
+def look_level(level: float, max_rounds: int) -> float:
+    """The level of each look at the ratio: the verdict looks after every round from the second on, so each look
+    gets a Bonferroni share of the error rate and stopping at the first exclusion keeps the overall level."""
+    return 1.0 - (1.0 - level) / max(1, max_rounds - 1)
+
+
 @dataclass
 class VerdictResult:
     default: Contender
     candidates: list[Contender]
-    level: float
+    level: float  # the overall level; ratios are shown at the per-look level that decided them
     stopped: str
+    max_rounds: int = 4
+
+    @property
+    def ratio_level(self) -> float:
+        return look_level(self.level, self.max_rounds)
 
     def ratio(self, c: Contender) -> Interval:
         n = min(len(c.rounds), len(self.default.rounds))
-        return paired_ratio_interval(c.rounds[:n], self.default.rounds[:n], self.level)
+        return paired_ratio_interval(c.rounds[:n], self.default.rounds[:n], self.ratio_level)
 
     @property
     def best(self) -> Contender | None:
@@ -102,7 +113,7 @@ def paired_verdict(default: Contender, candidates: list[Contender], round_capaci
     """Rounds of ``round_capacity(contender, draw) -> (capacity req/s, output tokens/s)`` for the default and every
     candidate, alternating the order, until the best ratio's interval excludes 1 (after at least two rounds), the
     rounds run out, or a round would not fit in what is left of ``budget_s`` (judged by the slowest round so far)."""
-    result = VerdictResult(default, candidates, level, "")
+    result = VerdictResult(default, candidates, level, "", max_rounds)
     started = clock()
     slowest = 0.0
     for r in range(max_rounds):
@@ -133,7 +144,8 @@ def verdict_line(result: VerdictResult, slo_text: str) -> str:
     if w is not None:
         c, ratio = w.capacity(result.level), result.ratio(w)
         return (f"tuned serves {c.format(' req/s', 1, 3)} within {slo_text}, {ratio.format('x', 1, 3)} the default "
-                f"config's {d.format(' req/s', 1, 3)} ({len(w.rounds)} paired rounds, {result.level:.0%} intervals)")
+                f"config's {d.format(' req/s', 1, 3)} ({len(w.rounds)} paired rounds; capacities at "
+                f"{result.level:.0%}, the ratio at {result.ratio_level:.1%} for {result.max_rounds - 1} looks)")
     safe = result.safest
     best = result.best
     tail = ""
