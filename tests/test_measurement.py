@@ -185,3 +185,43 @@ def test_the_verdict_stops_when_the_budget_would_be_exceeded() -> None:
     c = Contender("candidate 1", {}, 2.0)
     r = paired_verdict(d, [c], slow_round, max_rounds=10, budget_s=250.0, clock=clock)
     assert "time budget" in r.stopped and len(d.rounds) == len(c.rounds) < 10
+
+
+def test_on_the_simulator_the_capacity_bracket_separates_served_from_not_served_rates(tmp_path: Path) -> None:
+    from policies import WorkloadSpec
+    from tuner.simulator_cli import limits_of, profile_path
+    from tuner.simulator_trial import SimTrialRunner
+    from tuner.step_time_model import StepTimeModel
+
+    model = StepTimeModel.load(profile_path(None))
+    sim = SimTrialRunner(model, limits=limits_of(model), workload=WorkloadSpec("mixed", 0.125, output_scale=1.0),
+                         duration=15.0, warmup=3.0, slo=SLO_50MS)
+    spec = MeasurementSpec(max_segments=3, window_s=15.0)
+    knobs = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "chunk_size": 16}
+
+    def probe(rate: float) -> Measurement:
+        return measure(sim, knobs, rate, tmp_path / f"{rate:.4f}", 0, spec)
+
+    cap = search_capacity(probe, knobs, start=1.0, resolution=0.15, max_probes=8)
+    assert cap.feasible and math.isfinite(cap.high) and cap.high > cap.low
+    assert all(m.verdict == "met" for m in cap.probes if m.rate <= cap.low)
+    assert all(m.verdict != "met" for m in cap.probes if m.rate >= cap.high)
+    at = cap.at_capacity
+    assert at is not None and at.figures is not None and at.figures.attainment.low >= 0.9
+    # common random numbers: two configs on one draw see the same arrivals
+    a = measure(sim, knobs, 1.0, tmp_path / "a", 7, MeasurementSpec(max_segments=1))
+    b = measure(sim, {"max_num_seqs": 2}, 1.0, tmp_path / "b", 7, MeasurementSpec(max_segments=1))
+    from tuner.measurement import window_records
+    sent_a = [r.intended_send_time - window_records(a.segments[0])[0].intended_send_time
+              for r in window_records(a.segments[0])]
+    sent_b = [r.intended_send_time - window_records(b.segments[0])[0].intended_send_time
+              for r in window_records(b.segments[0])]
+    assert sent_a == pytest.approx(sent_b)
+
+
+def test_the_cap_grows_at_low_rates_so_a_window_can_hold_enough_requests() -> None:
+    from tuner.measurement import fewest_requests_to_show
+
+    assert fewest_requests_to_show(0.9, 0.95) == 36
+    spec = MeasurementSpec(max_segments=3, window_s=15.0)
+    assert spec.segments_at(4.0) == 3 and spec.segments_at(1.0) == 4 and spec.segments_at(0.1) == 9

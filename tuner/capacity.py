@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
-from tuner.measurement import Measurement
+from policies import Policy
+from tuner.measurement import Measurement, MeasurementSpec, measure
 from tuner.statistics import Interval
+from tuner.trial_backend import TrialBackend
 
 MIN_RATE = 0.02  # req/s: a config that does not serve this is infeasible at any rate
 
@@ -144,3 +147,46 @@ def start_from_known(knobs: dict[str, Any], known: list[tuple[dict[str, Any], fl
         return default, 2.0
     kn, lo, hi = min(usable, key=lambda t: knob_distance(knobs, t[0], names))
     return (lo if lo > 0 else hi / 2), 1.5
+
+
+@dataclass
+class CapacitySearcher:
+    """Capacity searches on one backend that learn from each other: every search starts from the nearest config
+    already searched (``known``: knobs, low, high), or from ``start_rate``."""
+
+    backend: TrialBackend
+    spec: MeasurementSpec
+    names: list[str]
+    resolution: float = 0.15
+    max_probes: int = 6
+    start_rate: float = 1.0
+    known: list[tuple[dict[str, Any], float, float]] = field(default_factory=list)
+    on_probe: Callable[[Measurement], None] | None = None
+
+    def search(self, knobs: dict[str, Any], out_dir: Path, draw: int = 0, start: float | None = None,
+               step: float | None = None, max_probes: int | None = None, remember: bool = True) -> Capacity:
+        first, first_step = start_from_known(knobs, self.known, self.names, self.start_rate)
+        probes: list[int] = []
+
+        def probe(rate: float) -> Measurement:
+            probes.append(1)
+            return measure(self.backend, knobs, rate, Path(out_dir) / f"probe-{len(probes) - 1}", draw, self.spec)
+
+        cap = search_capacity(probe, knobs, start if start is not None else first, self.resolution,
+                              max_probes or self.max_probes, step or first_step, self.on_probe)
+        if remember and not cap.rejected:
+            self.known.append((cap.knobs, cap.low, cap.high))
+        return cap
+
+
+def capacity_searcher(runner: TrialBackend, policy: Policy) -> CapacitySearcher:
+    """The policy's rate search on ``runner`` (see tuner/capacity.py), its measurements sized by the policy."""
+    return CapacitySearcher(runner, measurement_spec(policy), [k.name for k in policy.search_space],
+                            policy.capacity.resolution, policy.capacity.max_probes, policy.capacity.start_rate)
+
+
+def measurement_spec(policy: Policy) -> MeasurementSpec:
+    m = policy.measurement
+    return MeasurementSpec(level=m.level, min_gaps=m.min_gaps,
+                           max_segments=max(1, math.ceil(m.cap / policy.trial_duration - 1e-9)),
+                           window_s=policy.trial_duration)

@@ -32,6 +32,8 @@ from tuner.statistics import (DEFAULT_LEVEL, Interval, Verdict, lower_verdict, p
 from tuner.trial_backend import TrialBackend
 from tuner.trial_runner import TrialOutcome
 
+# reasons of a trial that measured nothing usable (tuner.trial_runner): the config fails at this rate
+FAILURES = ("rejected", "engine crashed", "load test failed", "could not", "the engine did not become idle")
 TARGET_SHARE = 0.9  # DESIGN.md: capacity = the highest rate at which >= 90 % of the requests attain the SLO
 
 
@@ -42,7 +44,21 @@ class MeasurementSpec:
     level: float = DEFAULT_LEVEL  # two-sided confidence level of every interval
     target_share: float = TARGET_SHARE
     min_gaps: int = 400  # fewer pooled gaps than this never decide a p99 TBT (368 are needed to bound a p99 at 95 %)
-    max_segments: int = 3  # the cap: this many windows at most
+    max_segments: int = 3  # the cap: this many windows at most ...
+    window_s: float = 0.0  # ... unless a low rate needs more windows (of this length) to hold enough requests
+
+    def segments_at(self, rate: float) -> int:
+        """The cap at ``rate``: ``max_segments`` windows, or as many as 1.5x the fewest requests that can show the
+        target share take at this rate (36 all-attaining requests for 90 % at 95 %), at most 3x ``max_segments``."""
+        if self.window_s <= 0 or rate <= 0:
+            return self.max_segments
+        needed = 1.5 * fewest_requests_to_show(self.target_share, self.level) / rate
+        return max(self.max_segments, min(3 * self.max_segments, math.ceil(needed / self.window_s)))
+
+
+def fewest_requests_to_show(share: float, level: float = DEFAULT_LEVEL) -> int:
+    """The fewest requests whose attainment, all of them attaining, has a lower bound >= ``share``."""
+    return math.ceil(math.log((1 - level) / 2) / math.log(share))
 
 
 @dataclass(frozen=True)
@@ -172,20 +188,16 @@ def measure(backend: TrialBackend, knobs: dict[str, Any], rate: float, out_dir: 
     """Measure ``knobs`` at ``rate`` segment by segment until :func:`should_stop` or the cap."""
     m = Measurement(knobs=dict(knobs), rate=rate, figures=None)
     pooled: list[RequestRecord] = []
-    for i in range(spec.max_segments):
+    for i in range(spec.segments_at(rate)):
         o = backend.run(knobs, Path(out_dir) / f"segment-{i}", rate=rate, seed=segment_seed(draw, i))
         m.segments.append(o)
         m.knobs = dict(o.knobs)
-        records = window_records(o)
-        if not records and not o.feasible:  # rejected, crashed, failed: nothing to pool
-            m.reason = o.reason or "no requests in the measurement window"
-            return m
-        pooled += records
-        m.window_s += float((o.summary or {}).get("duration_s") or 0.0)
-        m.figures = figures(pooled, backend.slo, spec)
-        if o.reason and o.reason.startswith(("engine crashed", "load test failed", "rejected")):
+        if o.reason and o.reason.startswith(FAILURES):  # rejected, crashed, failed: the config fails here
             m.reason = o.reason
             return m
+        pooled += window_records(o)
+        m.window_s += float((o.summary or {}).get("duration_s") or 0.0)
+        m.figures = figures(pooled, backend.slo, spec)
         if on_segment is not None:
             on_segment(m)
         if should_stop(m.figures):

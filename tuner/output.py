@@ -69,8 +69,22 @@ def write_vllm(path: Path, knobs: dict[str, Any], model: str | None) -> str:
 
 def write_tuned_yaml(path: Path, *, knobs: dict[str, Any], slo: dict[str, Any], workload: dict[str, Any],
                      rate: float, rate_reason: str, objective: str, model: str | None, study_name: str,
-                     storage: str, tuned: optuna.trial.FrozenTrial, default: optuna.trial.FrozenTrial | None,
-                     remeasured: dict[str, Any] | None, vllm: str, report: Path, trials: int) -> None:
+                     storage: str, tuned: optuna.trial.FrozenTrial | None, default: optuna.trial.FrozenTrial | None,
+                     remeasured: dict[str, Any] | None, vllm: str, report: Path, trials: int,
+                     capacity: dict[str, Any] | None = None, evidence: dict[str, Any] | None = None) -> None:
+    """``capacity`` (the capacity objective): ``tuned`` and ``default`` with each config's capacity and its
+    interval, and the ratio; ``evidence``: the verdict's rounds, the floor. Else the goodput trials' figures."""
+    if capacity is not None:
+        doc: dict[str, Any] = {
+            "knobs": knobs, "slo": {k: v for k, v in slo.items() if v is not None},
+            "slo_text": ", ".join(f"{k} <= {format_duration(v)}" for k, v in slo.items() if v is not None),
+            "workload": workload, "objective": objective, "model": model,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "study": {"name": study_name, "storage": storage, "trials": trials},
+            **capacity, "evidence": evidence or {}, "vllm_serve": vllm, "report": str(report)}
+        _write_yaml(path, doc)
+        return
+    assert tuned is not None
     doc = {
         "knobs": knobs,
         "slo": {k: v for k, v in slo.items() if v is not None},
@@ -91,6 +105,10 @@ def write_tuned_yaml(path: Path, *, knobs: dict[str, Any], slo: dict[str, Any], 
         "vllm_serve": vllm,
         "report": str(report),
     }
+    _write_yaml(path, doc)
+
+
+def _write_yaml(path: Path, doc: dict[str, Any]) -> None:
     header = ("# Written by `tune`. Serve it with: slotune serve --config " + path.name + "\n"
               "# (only the `knobs` section is read; the rest is the evidence: SLO, workload, rate, measurements)\n")
     path.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=120))

@@ -1,0 +1,101 @@
+"""The machine's floor: what this machine can do at all with the load generator running, measured before a search.
+
+Two short runs at a low load, each windows until their gaps can bound a p99: one request at a time
+(``max_num_seqs`` 1) and a small batch (``max_num_seqs`` 4).
+From them: the engine's decode-step p99 at batch 1 and at batch 2-4 (its own step records), the client-side p99 TBT
+of the batch-1 trial with its order-statistic interval, the engine-side p99 inter-token latency beside it (the
+difference is what the load generator and the host add), and the generator's own timing error (send lag p99).
+
+When even one request at a time misses the TBT target beyond the noise (the interval's lower end above it), no
+config can meet the SLO on this machine: tune says so with the figures and stops before searching.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loadtest.summary import SLO
+from loadtest.records import RequestRecord
+from tuner.measurement import FAILURES, MeasurementSpec, figures, segment_seed, window_records
+from tuner.statistics import Interval, upper_verdict
+from tuner.trial_backend import TrialBackend
+from tuner.trial_runner import TrialOutcome
+
+BATCH_1 = {"max_num_seqs": 1}
+SMALL_BATCH = {"max_num_seqs": 4}
+
+
+@dataclass
+class Floor:
+    tbt_p99_batch1: Interval  # client side, pooled gaps of the batch-1 trial
+    engine_itl_p99_batch1: float | None  # engine side (its histogram's bucket bound)
+    step_p99_batch1: float | None  # decode-only steps with one sequence
+    step_p99_small_batch: float | None  # decode-only steps with 2-4 sequences
+    send_lag_p99: float | None  # the load generator's own timing error
+    reason: str | None = None  # why it could not be measured
+
+    def below(self, slo: SLO) -> bool:
+        """The TBT target is below what one request at a time gets here, beyond the noise."""
+        return slo.tbt_p99 is not None and upper_verdict(self.tbt_p99_batch1, slo.tbt_p99) == "missed"
+
+    def describe(self) -> str:
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v * 1000:.1f}ms"
+
+        return (f"batch-1 p99 TBT {self.tbt_p99_batch1.format('ms', 1000, 3)} client-side, "
+                f"<= {ms(self.engine_itl_p99_batch1)} engine-side; decode-step p99 {ms(self.step_p99_batch1)} at "
+                f"batch 1, {ms(self.step_p99_small_batch)} at batch 2-4; load generator send lag p99 "
+                f"{ms(self.send_lag_p99)}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"tbt_p99_batch1": self.tbt_p99_batch1.as_dict(), "engine_itl_p99_batch1": self.engine_itl_p99_batch1,
+                "step_p99_batch1": self.step_p99_batch1, "step_p99_small_batch": self.step_p99_small_batch,
+                "send_lag_p99": self.send_lag_p99, "reason": self.reason}
+
+
+def _decode_step_p99(outcomes: list[TrialOutcome], low: int, high: int) -> float | None:
+    steps: list[dict[str, Any]] = []
+    for o in outcomes:
+        path = Path(o.out_dir) / "steps.jsonl" if o.out_dir is not None else None
+        if path is not None and path.exists():
+            steps += [json.loads(line) for line in path.read_text().splitlines() if line]
+    d = [s["total_s"] for s in steps if s.get("num_prefill_tokens", 0) == 0 and low <= s["num_decode_tokens"] <= high]
+    return float(np.percentile(d, 99)) if d else None
+
+
+def _pooled_trial(backend: TrialBackend, knobs: dict[str, Any], out_dir: Path, rate: float,
+                  spec: MeasurementSpec) -> tuple[list[TrialOutcome], list[RequestRecord]]:
+    """Windows of ``knobs`` at ``rate`` until their pooled gaps can bound a p99 (``spec.min_gaps``), or the cap."""
+    outcomes: list[TrialOutcome] = []
+    records: list[RequestRecord] = []
+    for i in range(spec.segments_at(rate)):
+        o = backend.run(dict(knobs), Path(out_dir) / f"window-{i}", rate=rate, seed=segment_seed(0, i))
+        outcomes.append(o)
+        if o.reason and o.reason.startswith(FAILURES):
+            break
+        records += window_records(o)
+        if sum(max(0, len(r.token_times) - 1) for r in records) >= spec.min_gaps:
+            break
+    return outcomes, records
+
+
+def measure_floor(backend: TrialBackend, out_dir: Path, rate: float = 1.0,
+                  spec: MeasurementSpec | None = None) -> tuple[Floor, list[TrialOutcome]]:
+    """The floor from batch-1 windows at ``rate`` and small-batch windows at twice that."""
+    spec = spec or MeasurementSpec()
+    one, records = _pooled_trial(backend, BATCH_1, Path(out_dir) / "batch-1", rate, spec)
+    small, _ = _pooled_trial(backend, SMALL_BATCH, Path(out_dir) / "batch-4", 2 * rate, spec)
+    f = figures(records, backend.slo, spec)
+    summaries = [o.summary for o in one if o.summary]
+    lags = [s["send_lag_p99"] for s in summaries if s.get("send_lag_p99") is not None]
+    itl = [s["engine_itl_p99"] for s in summaries if s.get("engine_itl_p99") is not None]
+    reason = None if any(s.get("completed") for s in summaries) else (one[-1].reason or "no request completed")
+    floor = Floor(f.tbt_p99, max(itl) if itl else None, _decode_step_p99(one, 1, 1), _decode_step_p99(small, 2, 4),
+                  max(lags) if lags else None, reason)
+    (Path(out_dir) / "floor.json").write_text(json.dumps(floor.as_dict(), indent=1) + "\n")
+    return floor, one + small
