@@ -44,7 +44,7 @@ def test_kill_9_of_tune_mid_trial_leaves_no_process_of_it(tmp_path: Path) -> Non
         assert len(children) >= 2  # the engine and Locust at least
         os.kill(tune.pid, signal.SIGKILL)
         tune.wait(10)
-        gone, alive = psutil.wait_procs(children, timeout=30)
+        _, alive = psutil.wait_procs(children, timeout=30)
         assert not alive, [(p.pid, p.cmdline()) for p in alive]
     finally:
         if tune.poll() is None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from policies import Policy
-from tuner.measurement import Measurement, MeasurementSpec, measure
+from tuner.measurement import TARGET_SHARE, Measurement, MeasurementSpec, fewest_requests_to_show, measure
 from tuner.statistics import Interval
 from tuner.trial_backend import TrialBackend
 
@@ -78,7 +78,9 @@ class Capacity:
                 + (f", {toks:.0f} output tok/s" if toks is not None else ""))
 
     def as_dict(self) -> dict[str, Any]:
+        at = self.at_capacity
         return {"req_per_s": self.low, "bracket": [self.low, self.high if math.isfinite(self.high) else None],
+                "describe": self.describe(), "at_capacity": at.describe() if at is not None else None,
                 "resolved": self.resolved, "output_tokens_per_s": self.output_tokens_per_s, "stopped": self.stopped,
                 "probes": [{"rate": m.rate, "verdict": m.verdict, "describe": m.describe()} for m in self.probes]}
 
@@ -116,6 +118,13 @@ def search_capacity(probe: Callable[[float], Measurement], knobs: dict[str, Any]
         if cap.rejected:
             cap.stopped = cap.rejected
             return cap
+        if cap.low <= 0 and m.verdict == "undecided" and m.figures is not None \
+                and m.figures.requests < fewest_requests_to_show(TARGET_SHARE, m.figures.attainment.level):
+            # nothing shown yet, and too few requests fit the cap at this rate to show the share even if all of
+            # them attained: a lower rate holds fewer still, so going down cannot decide either
+            cap.stopped = (f"undecided at {rate:.3g} req/s ({m.figures.attaining}/{m.figures.requests} requests "
+                           f"attained: too few within the cap to show {TARGET_SHARE:.0%})")
+            return cap
         if cap.low > 0 and cap.high <= cap.low:  # a lower rate failed after a higher one served: noise; keep both
             cap.high = cap.low * (1 + resolution)
         if cap.resolved:
@@ -145,7 +154,7 @@ def start_from_known(knobs: dict[str, Any], known: list[tuple[dict[str, Any], fl
     usable = [(kn, lo, hi) for kn, lo, hi in known if lo > 0 or math.isfinite(hi)]
     if not usable:
         return default, 2.0
-    kn, lo, hi = min(usable, key=lambda t: knob_distance(knobs, t[0], names))
+    _, lo, hi = min(usable, key=lambda t: knob_distance(knobs, t[0], names))
     return (lo if lo > 0 else hi / 2), 1.5
 
 

@@ -96,7 +96,7 @@ class CapacityRun:
                else "") + " ...")
         t0 = time.monotonic()
         sim_search = searcher_on(sim, self.p)
-        ranked = []
+        ranked: list[tuple[float, dict[str, Any], dict[str, Any]]] = []
         for knobs, params in _sample(self.p, n, self.p.seed):
             cap = sim_search.search(knobs, self.s.trials_dir / "screen" / f"config-{len(ranked)}")
             ranked.append((cap.value, knobs, params))
@@ -135,6 +135,14 @@ class CapacityRun:
     def finish(self) -> int:
         p = self.p
         default, candidates = self.contenders()
+        if not candidates and not any(t.values[0] > 0 for t in measured(self.study) if "capacity" in t.user_attrs):
+            report = self.s.out.with_suffix(".html")
+            write_report(report, self.study, p.slo.as_dict(), f"tune: {self.s.study_name}",
+                         ["No config was shown to serve any rate within the SLO."])
+            print(f"{PROG}: no config was shown to serve any rate within {self.s.slo_text()} "
+                  f"({len(measured(self.study))} configs searched; report: {report}); try a looser target",
+                  file=sys.stderr)
+            return 1
         say(f"{PROG}: paired verdict: the default and {len(candidates)} candidate(s), fresh arrival draws, the same "
             f"draw for every config in a round, up to {p.verdict.max_rounds} rounds or "
             f"{format_duration(p.verdict.budget)} ...")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn

@@ -159,7 +159,8 @@ def write_report(path: Path, study: optuna.Study, slo: dict[str, Any], title: st
             f"<h1>{_esc(title)}</h1>{body}"
             + fig.to_html(full_html=False, include_plotlyjs=True)
             + "<h2>Trials</h2><table border=1 cellspacing=0 cellpadding=3><tr><th>#</th><th>role</th><th>knobs</th>"
-              "<th>objective</th><th>p99 TBT</th><th>p99 TTFT</th><th>attainment</th><th>feasible / why not</th></tr>"
+              "<th>objective</th><th>p99 TBT</th><th>p99 TTFT</th><th>attainment</th><th>feasible / why not</th>"
+              "<th>at capacity: figures with intervals</th></tr>"
             + rows + "</table></body></html>")
     path.write_text(html, encoding="utf-8")
 
@@ -184,9 +185,11 @@ def _hover(t: optuna.trial.FrozenTrial) -> str:
 def _row(t: optuna.trial.FrozenTrial) -> str:
     s = t.user_attrs.get("summary") or {}
     att = s.get("attainment")
+    cap = t.user_attrs.get("capacity") or {}
     cells = [t.number, t.user_attrs.get("role", "search"), short_knobs(t.user_attrs.get("knobs", {})),
-             f"{t.values[0]:.3f}", format_duration(s.get("tbt_p99")), format_duration(s.get("ttft_p99")),
-             "-" if att is None else f"{att:.0%}", "yes" if feasible(t) else t.user_attrs.get("reason")]
+             cap.get("describe") or f"{t.values[0]:.3f}", format_duration(s.get("tbt_p99")),
+             format_duration(s.get("ttft_p99")), "-" if att is None else f"{att:.0%}",
+             "yes" if feasible(t) else t.user_attrs.get("reason"), cap.get("at_capacity") or ""]
     return "<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in cells) + "</tr>"
 
 
