@@ -82,12 +82,18 @@ def die_with_parent() -> None:
         pass
 
 
-def _priority(nice: int, realtime: bool) -> Callable[[], None]:
-    """What a load process does before exec: die with its parent; lower its niceness and/or take a real-time
-    (SCHED_RR) priority. Without the privilege it keeps the normal priority (the summary says which it got)."""
+def _priority(nice: int, realtime: bool, cpus: tuple[int, ...] | None = None) -> Callable[[], None]:
+    """What a load process does before exec: die with its parent; keep to ``cpus`` (if given); lower its niceness
+    and/or take a real-time (SCHED_RR) priority. Without the privilege it keeps the normal priority (the summary
+    says which it got)."""
 
     def apply() -> None:
         die_with_parent()
+        if cpus:
+            try:
+                os.sched_setaffinity(0, cpus)
+            except (OSError, AttributeError):
+                pass
         if nice:
             try:
                 os.nice(nice)
@@ -112,7 +118,8 @@ def _scheduling(pid: int) -> str:
 
 
 def run_loadtest(cfg: LoadConfig, workers: int = 1, on_progress: Callable[[dict], None] | None = None,
-                 timeout: float | None = None, nice: int = 0, realtime: bool = False) -> dict:
+                 timeout: float | None = None, nice: int = 0, realtime: bool = False,
+                 cpus: tuple[int, ...] | None = None) -> dict:
     """Run the load test described by ``cfg`` with ``workers`` load processes; return the summary dict.
 
     ``realtime`` (SCHED_RR) or a negative ``nice`` (both need the privilege) let the generator keep its schedule
@@ -146,13 +153,13 @@ def run_loadtest(cfg: LoadConfig, workers: int = 1, on_progress: Callable[[dict]
         logs.append(main_log)
         # a session of their own: Ctrl-C reaches only us, and we stop Locust cleanly
         main = subprocess.Popen(main_cmd, stdout=subprocess.PIPE, stderr=main_log, env=env, text=True,
-                                start_new_session=True, preexec_fn=_priority(nice, realtime))
+                                start_new_session=True, preexec_fn=_priority(nice, realtime, cpus))
         procs.append(main)
         for i, cmd in enumerate(worker_cmds):
             wlog = open(os.path.join(cfg.out, f"locust-worker-{i}.log"), "w")
             logs.append(wlog)
             procs.append(subprocess.Popen(cmd, stdout=wlog, stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True, preexec_fn=_priority(nice, realtime)))
+                                          start_new_session=True, preexec_fn=_priority(nice, realtime, cpus)))
 
         def relay() -> None:
             assert main.stdout is not None

@@ -225,3 +225,40 @@ def test_the_cap_grows_at_low_rates_so_a_window_can_hold_enough_requests() -> No
     assert fewest_requests_to_show(0.9, 0.95) == 36
     spec = MeasurementSpec(max_segments=3, window_s=15.0)
     assert spec.segments_at(4.0) == 3 and spec.segments_at(1.0) == 4 and spec.segments_at(0.1) == 9
+
+
+def test_the_floor_keeps_the_least_disturbing_arrangement_and_flags_an_slo_below_it(tmp_path: Path) -> None:
+    from tuner.arrangement import NORMAL, REALTIME, SEPARATE, Arrangement
+    from tuner.floor import measure_floor
+
+    @dataclass
+    class Disturbed(ScriptedBackend):
+        """Gaps of 10-30 ms plus what the arrangement adds (here: real-time priority adds most)."""
+
+        added: float = 0.0
+
+        def run(self, knobs: dict[str, Any], out_dir: Path, rate: float | None = None,
+                seed: int | None = None) -> TrialOutcome:
+            o = super().run(knobs, out_dir, rate, seed)
+            from loadtest.records import read_records
+            recs = read_records(str(Path(out_dir) / "records.parquet"))
+            for r in recs:  # stretch every gap by the arrangement's disturbance
+                t0 = r.token_times[0]
+                r.token_times = [t0 + (t - t0) + i * self.added for i, t in enumerate(r.token_times)]
+            write_records(str(Path(out_dir) / "records.parquet"), recs)
+            return o
+
+    backend = Disturbed(0.0)
+    added = {"realtime": 0.030, "normal": 0.010, "separate": 0.002}
+
+    def arrange(a: Arrangement) -> None:
+        backend.added = added[a.name]
+
+    floor, _ = measure_floor(backend, tmp_path, spec=MeasurementSpec(min_gaps=400, max_segments=2),
+                             arrangements=[REALTIME, NORMAL, SEPARATE], arrange=arrange)
+    assert floor.arrangement == SEPARATE.describe() and backend.added == 0.002  # kept applied
+    assert set(floor.by_arrangement) == {"realtime", "normal", "separate"}
+    assert floor.tbt_p99_batch1.value == pytest.approx(0.032, abs=0.002)
+    assert not floor.below(SLO(tbt_p99=0.050)) and floor.below(SLO(tbt_p99=0.020))
+    assert "separate" in floor.describe() or "core of its own" in floor.describe()
+    assert (tmp_path / "floor.json").exists()

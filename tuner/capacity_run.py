@@ -52,8 +52,13 @@ class CapacityRun:
 
     def run(self) -> int:
         p = self.p
-        say(f"{PROG}: measuring this machine's floor (batch 1 and 4, load generator running) ...")
-        floor, _ = measure_floor(self.runner, self.s.trials_dir / "floor", spec=self.searcher.spec)
+        say(f"{PROG}: measuring this machine's floor (batch 1 under each arrangement of the load generator, then "
+            f"batch 4) ...")
+        from tuner import arrangement
+
+        floor, _ = measure_floor(self.runner, self.s.trials_dir / "floor", spec=self.searcher.spec,
+                                 arrangements=arrangement.candidates(self.runner),
+                                 arrange=lambda a: arrangement.apply(self.runner, a))
         self.floor = floor.as_dict()
         say(f"{PROG}: floor: {floor.describe()}")
         if floor.reason is not None or floor.below(self.runner.slo):  # type: ignore[arg-type]

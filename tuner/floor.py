@@ -6,6 +6,9 @@ From them: the engine's decode-step p99 at batch 1 and at batch 2-4 (its own ste
 of the batch-1 trial with its order-statistic interval, the engine-side p99 inter-token latency beside it (the
 difference is what the load generator and the host add), and the generator's own timing error (send lag p99).
 
+Where the load generator shares the engine's cores, the batch-1 run is repeated under each arrangement of the two
+(tuner/arrangement.py) and the least disturbing one is kept for the whole run.
+
 When even one request at a time misses the TBT target beyond the noise (the interval's lower end above it), no
 config can meet the SLO on this machine: tune says so with the figures and stops before searching.
 """
@@ -13,7 +16,9 @@ config can meet the SLO on this machine: tune says so with the figures and stops
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +26,7 @@ import numpy as np
 
 from loadtest.summary import SLO
 from loadtest.records import RequestRecord
+from tuner.arrangement import Arrangement
 from tuner.measurement import FAILURES, MeasurementSpec, figures, segment_seed, window_records
 from tuner.statistics import Interval, upper_verdict
 from tuner.trial_backend import TrialBackend
@@ -38,6 +44,8 @@ class Floor:
     step_p99_small_batch: float | None  # decode-only steps with 2-4 sequences
     send_lag_p99: float | None  # the load generator's own timing error
     reason: str | None = None  # why it could not be measured
+    arrangement: str = ""  # where the load generator runs (tuner/arrangement.py): the least disturbing one tried
+    by_arrangement: dict[str, Any] = field(default_factory=dict)  # batch-1 p99 TBT interval per arrangement tried
 
     def below(self, slo: SLO) -> bool:
         """The TBT target is below what one request at a time gets here, beyond the noise."""
@@ -50,12 +58,19 @@ class Floor:
         return (f"batch-1 p99 TBT {self.tbt_p99_batch1.format('ms', 1000, 3)} client-side, "
                 f"<= {ms(self.engine_itl_p99_batch1)} engine-side; decode-step p99 {ms(self.step_p99_batch1)} at "
                 f"batch 1, {ms(self.step_p99_small_batch)} at batch 2-4; load generator send lag p99 "
-                f"{ms(self.send_lag_p99)}")
+                f"{ms(self.send_lag_p99)}" + (f"; {self.arrangement}" if self.arrangement else "")
+                + ("" if len(self.by_arrangement) < 2 else " (batch-1 p99 TBT by arrangement: " + ", ".join(
+                    f"{k} {_ms(v.get('value'))}" for k, v in self.by_arrangement.items()) + ")"))
 
     def as_dict(self) -> dict[str, Any]:
         return {"tbt_p99_batch1": self.tbt_p99_batch1.as_dict(), "engine_itl_p99_batch1": self.engine_itl_p99_batch1,
                 "step_p99_batch1": self.step_p99_batch1, "step_p99_small_batch": self.step_p99_small_batch,
-                "send_lag_p99": self.send_lag_p99, "reason": self.reason}
+                "send_lag_p99": self.send_lag_p99, "reason": self.reason, "arrangement": self.arrangement,
+                "by_arrangement": self.by_arrangement}
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}ms"
 
 
 def _decode_step_p99(outcomes: list[TrialOutcome], low: int, high: int) -> float | None:
@@ -84,11 +99,22 @@ def _pooled_trial(backend: TrialBackend, knobs: dict[str, Any], out_dir: Path, r
     return outcomes, records
 
 
-def measure_floor(backend: TrialBackend, out_dir: Path, rate: float = 1.0,
-                  spec: MeasurementSpec | None = None) -> tuple[Floor, list[TrialOutcome]]:
-    """The floor from batch-1 windows at ``rate`` and small-batch windows at twice that."""
+def measure_floor(backend: TrialBackend, out_dir: Path, rate: float = 1.0, spec: MeasurementSpec | None = None,
+                  arrangements: list[Arrangement] | None = None,
+                  arrange: Callable[[Arrangement], None] | None = None) -> tuple[Floor, list[TrialOutcome]]:
+    """The floor from batch-1 windows at ``rate`` under each of ``arrangements`` (applied by ``arrange``; the one
+    with the lowest client-side p99 TBT is kept and left applied), then small-batch windows at twice the rate."""
     spec = spec or MeasurementSpec()
-    one, records = _pooled_trial(backend, BATCH_1, Path(out_dir) / "batch-1", rate, spec)
+    tried: list[tuple[Arrangement | None, list[TrialOutcome], list[RequestRecord]]] = []
+    for a in arrangements or [None]:
+        if a is not None and arrange is not None:
+            arrange(a)
+        folder = Path(out_dir) / ("batch-1" if a is None else f"batch-1-{a.name}")
+        tried.append((a, *_pooled_trial(backend, BATCH_1, folder, rate, spec)))
+    by_arrangement = {a.name: figures(r, backend.slo, spec).tbt_p99.as_dict() for a, _, r in tried if a is not None}
+    chosen, one, records = min(tried, key=lambda t: _p99_or_inf(t[2], backend.slo, spec))
+    if chosen is not None and arrange is not None:
+        arrange(chosen)
     small, _ = _pooled_trial(backend, SMALL_BATCH, Path(out_dir) / "batch-4", 2 * rate, spec)
     f = figures(records, backend.slo, spec)
     summaries = [o.summary for o in one if o.summary]
@@ -96,6 +122,12 @@ def measure_floor(backend: TrialBackend, out_dir: Path, rate: float = 1.0,
     itl = [s["engine_itl_p99"] for s in summaries if s.get("engine_itl_p99") is not None]
     reason = None if any(s.get("completed") for s in summaries) else (one[-1].reason or "no request completed")
     floor = Floor(f.tbt_p99, max(itl) if itl else None, _decode_step_p99(one, 1, 1), _decode_step_p99(small, 2, 4),
-                  max(lags) if lags else None, reason)
+                  max(lags) if lags else None, reason, chosen.describe() if chosen is not None else "",
+                  by_arrangement)
     (Path(out_dir) / "floor.json").write_text(json.dumps(floor.as_dict(), indent=1) + "\n")
-    return floor, one + small
+    return floor, [o for _, outs, _ in tried for o in outs] + small
+
+
+def _p99_or_inf(records: list[RequestRecord], slo: Any, spec: MeasurementSpec) -> float:
+    value = figures(records, slo, spec).tbt_p99.value
+    return value if math.isfinite(value) else math.inf

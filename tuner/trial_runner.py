@@ -103,6 +103,7 @@ class TrialRunner:
     drain_timeout: float = 10.0
     idle_timeout: float = 60.0
     realtime: bool = True  # the load generator keeps its schedule while the engine saturates the CPUs
+    generator_cpus: tuple[int, ...] | None = None  # keep the load generator to these cores (tuner/floor.py)
     base_knobs: dict[str, Any] | None = None  # the config a trial's knobs are laid over (default: the engine's now)
     on_progress: Callable[[dict[str, Any]], None] | None = None
 
@@ -210,7 +211,7 @@ class TrialRunner:
 
         load_error = None
         try:
-            run_summary = run_loadtest(cfg, on_progress=progress, realtime=self.realtime,
+            run_summary = run_loadtest(cfg, on_progress=progress, realtime=self.realtime, cpus=self.generator_cpus,
                                        timeout=60.0 + cfg.duration + self.drain_timeout + 30.0)
         except LoadTestError as error:
             load_error = str(error).splitlines()[0]
