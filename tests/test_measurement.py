@@ -132,10 +132,11 @@ def test_known_neighbours_start_the_search_near_their_capacity() -> None:
 def crn_round_capacity(capacities: dict[str, float], sigma_draw: float = 0.15, sigma_own: float = 0.03) -> Any:
     """A round's capacity: the true one times a factor shared by every config on that draw (the arrival draw's
     luck) and a small factor of its own."""
-    def round_capacity(c: Contender, draw: int) -> tuple[float, float]:
+    def round_capacity(c: Contender, draw: int) -> tuple[float, float, float]:
         shared = np.random.default_rng([draw]).normal(0.0, sigma_draw)
         own = np.random.default_rng([draw, zlib.crc32(c.name.encode())]).normal(0.0, sigma_own)
-        return capacities[c.name] * math.exp(shared + own), 100.0
+        cap = capacities[c.name] * math.exp(shared + own)
+        return cap, cap * 1.15, 100.0
     return round_capacity
 
 
@@ -177,9 +178,10 @@ def test_the_verdict_stops_when_the_budget_would_be_exceeded() -> None:
     def clock() -> float:
         return t[0]
 
-    def slow_round(c: Contender, draw: int) -> tuple[float, float]:
+    def slow_round(c: Contender, draw: int) -> tuple[float, float, float]:
         t[0] += 50.0
-        return 2.0 * (1.0 + 0.3 * ((draw + len(c.name)) % 3)), 100.0
+        cap = 2.0 * (1.0 + 0.3 * ((draw + len(c.name)) % 3))
+        return cap, cap * 1.15, 100.0
 
     d = Contender("default", {}, 2.0)
     c = Contender("candidate 1", {}, 2.0)
@@ -262,3 +264,14 @@ def test_the_floor_keeps_the_least_disturbing_arrangement_and_flags_an_slo_below
     assert not floor.below(SLO(tbt_p99=0.050)) and floor.below(SLO(tbt_p99=0.020))
     assert "separate" in floor.describe() or "core of its own" in floor.describe()
     assert (tmp_path / "floor.json").exists()
+
+
+def test_a_default_that_serves_nothing_reports_capacity_zero_and_the_ratio_errs_low() -> None:
+    d = Contender("default", {}, 1.0)
+    c = Contender("candidate 1", {}, 2.0)
+    r = paired_verdict(d, [c], lambda x, draw: (0.0, 1.0, None) if x is d else (2.0 + 0.01 * (draw % 3), 2.3, 80.0),
+                       max_rounds=3)
+    assert d.capacity().value == 0.0 and d.capacity().high == 1.0
+    ratio = r.ratio(c)
+    assert ratio.value == pytest.approx(2.0, rel=0.05)  # against the default's ceiling: a bound from below
+    assert r.winner is c

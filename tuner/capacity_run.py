@@ -127,15 +127,15 @@ class CapacityRun:
 
         return c(DEFAULT, default), [c(f"candidate {i + 1} (trial #{t.number})", t) for i, t in enumerate(others)]
 
-    def round_capacity(self, c: Contender, draw: int) -> tuple[float, float | None]:
-        """A short rate search around the contender's capacity on arrival draw ``draw``."""
+    def round_capacity(self, c: Contender, draw: int) -> tuple[float, float, float | None]:
+        """A short rate search around the contender's capacity on arrival draw ``draw``: (the highest rate shown
+        served, 0 if none; the lowest not shown served; output tokens/s at the first)."""
         res = self.p.capacity.resolution
         folder = self.s.trials_dir / "verdict" / f"draw-{draw}" / c.name.split(" (")[0].replace(" ", "-")
         cap = self.searcher.search(c.knobs, folder, draw=draw, start=c.start, step=1 + 2 * res, max_probes=2,
                                    remember=False)
-        value = cap.low if cap.low > 0 else cap.high / (1 + 2 * res)
         say(f"  {c.name}, draw {draw}: {cap.describe()}")
-        return value, cap.output_tokens_per_s
+        return cap.low, cap.high, cap.output_tokens_per_s
 
     def finish(self) -> int:
         p = self.p

@@ -111,7 +111,14 @@ def write_tuned_yaml(path: Path, *, knobs: dict[str, Any], slo: dict[str, Any], 
 def _write_yaml(path: Path, doc: dict[str, Any]) -> None:
     header = ("# Written by `tune`. Serve it with: slotune serve --config " + path.name + "\n"
               "# (only the `knobs` section is read; the rest is the evidence: SLO, workload, rate, measurements)\n")
-    path.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=120))
+    path.write_text(header + yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, width=120))
+
+
+class _PlainDumper(yaml.SafeDumper):
+    """Writes a repeated value out again instead of as a YAML alias (&id001 / *id001): a reader sees every figure."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
 
 
 def write_report(path: Path, study: optuna.Study, slo: dict[str, Any], title: str,

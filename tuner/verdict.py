@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from tuner.capacity import MIN_RATE
 from tuner.statistics import DEFAULT_LEVEL, Interval, paired_ratio_interval, ratio_verdict
 
 DEFAULT = "default"
@@ -26,13 +27,21 @@ class Contender:
     name: str  # "default" or "candidate N"
     knobs: dict[str, Any]
     start: float  # where its round searches start (its capacity from the search)
-    rounds: list[float] = field(default_factory=list)  # capacity per round, req/s
+    rounds: list[float] = field(default_factory=list)  # capacity per round (highest rate shown served; 0: none)
+    ceilings: list[float] = field(default_factory=list)  # per round, the lowest rate not shown served (inf: none)
     tokens: list[float] = field(default_factory=list)  # output tokens/s at that capacity per round
 
     def capacity(self, level: float = DEFAULT_LEVEL) -> Interval:
-        """Geometric mean of the round capacities with its t interval (a round that served nothing counts as half
-        the lowest rate it tried; with one round the interval is unbounded)."""
+        """Geometric mean of the round capacities with its t interval (with one round the interval is unbounded).
+        When some round showed no rate served, no mean is claimed: the value is 0, the range that of the rounds'
+        brackets."""
+        if self.rounds and min(self.rounds) <= 0:
+            return Interval(0.0, 0.0, max(self.ceilings, default=math.inf), level, len(self.rounds))
         return geometric_interval(self.rounds, level)
+
+    def upper(self, i: int) -> float:
+        """Round i's capacity, or where nothing was shown served there, its ceiling (a bound from above)."""
+        return self.rounds[i] if self.rounds[i] > 0 else self.ceilings[i]
 
 
 def geometric_interval(values: list[float], level: float = DEFAULT_LEVEL) -> Interval:
@@ -62,8 +71,13 @@ class VerdictResult:
         return look_level(self.level, self.max_rounds)
 
     def ratio(self, c: Contender) -> Interval:
+        """Paired ratio of the rounds' capacities. A round where the default showed no rate served uses its ceiling
+        (a bound from above: the ratio then errs low, never in the candidate's favour); one where the candidate
+        showed none counts as the lowest rate any search tries (so the candidate is never "better" there)."""
         n = min(len(c.rounds), len(self.default.rounds))
-        return paired_ratio_interval(c.rounds[:n], self.default.rounds[:n], self.ratio_level)
+        ours = [v if v > 0 else MIN_RATE for v in c.rounds[:n]]
+        theirs = [self.default.upper(i) for i in range(n)]
+        return paired_ratio_interval(ours, theirs, self.ratio_level)
 
     @property
     def best(self) -> Contender | None:
@@ -87,7 +101,9 @@ class VerdictResult:
 
     def as_dict(self) -> dict[str, Any]:
         def entry(c: Contender) -> dict[str, Any]:
-            d: dict[str, Any] = {"knobs": c.knobs, "rounds_req_per_s": c.rounds, "rounds_tokens_per_s": c.tokens,
+            d: dict[str, Any] = {"knobs": c.knobs, "rounds_req_per_s": c.rounds,
+                                 "rounds_ceiling_req_per_s": [x if math.isfinite(x) else None for x in c.ceilings],
+                                 "rounds_tokens_per_s": c.tokens,
                                  "capacity_req_per_s": c.capacity(self.level).as_dict()}
             if c is not self.default:
                 d["ratio_to_default"] = self.ratio(c).as_dict()
@@ -103,14 +119,15 @@ def finite(x: float) -> float:
     return x if math.isfinite(x) else 0.0
 
 
-RoundCapacity = Callable[[Contender, int], tuple[float, float | None]]
+# (capacity req/s: the highest rate shown served, 0 if none; the lowest not shown served; output tokens/s)
+RoundCapacity = Callable[[Contender, int], tuple[float, float, float | None]]
 
 
 def paired_verdict(default: Contender, candidates: list[Contender], round_capacity: RoundCapacity,
                    max_rounds: int = 4, budget_s: float = 300.0, level: float = DEFAULT_LEVEL, first_draw: int = 100,
                    on_round: Callable[[int, VerdictResult], None] | None = None,
                    clock: Callable[[], float] = time.monotonic) -> VerdictResult:
-    """Rounds of ``round_capacity(contender, draw) -> (capacity req/s, output tokens/s)`` for the default and every
+    """Rounds of ``round_capacity(contender, draw) -> (capacity, ceiling, output tokens/s)`` for the default and every
     candidate, alternating the order, until the best ratio's interval excludes 1 (after at least two rounds), the
     rounds run out, or a round would not fit in what is left of ``budget_s`` (judged by the slowest round so far)."""
     result = VerdictResult(default, candidates, level, "", max_rounds)
@@ -123,8 +140,9 @@ def paired_verdict(default: Contender, candidates: list[Contender], round_capaci
         t0 = clock()
         everyone = [default] + candidates
         for c in (everyone if r % 2 == 0 else everyone[::-1]):
-            cap, toks = round_capacity(c, first_draw + r)
+            cap, ceiling, toks = round_capacity(c, first_draw + r)
             c.rounds.append(cap)
+            c.ceilings.append(ceiling)
             c.tokens.append(toks if toks is not None else math.nan)
         slowest = max(slowest, clock() - t0)
         if on_round is not None:
