@@ -103,3 +103,13 @@ def test_the_dashboard_never_imports_the_engine_locust_or_torch(tmp_path: Path) 
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_the_study_page_shows_a_capacity_trial_with_its_bracket_and_intervals() -> None:
+    from dashboards.study import evidence_text
+
+    attrs = {"capacity": {"describe": "capacity 2.1 req/s (bracket 2.1-2.4, 4 probes), 180 output tok/s",
+                          "at_capacity": "attainment 94% (88-98%) met, p99 TBT 41ms (38-45) met"}}
+    text = evidence_text(attrs)
+    assert text.startswith("capacity 2.1 req/s (bracket 2.1-2.4") and "at it: attainment 94% (88-98%) met" in text
+    assert evidence_text({"summary": {}}) == ""

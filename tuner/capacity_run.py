@@ -184,7 +184,7 @@ class CapacityRun:
 
     def write(self, result: VerdictResult, chosen: Contender, held: bool) -> int:
         p, s = self.p, self.s
-        line = verdict_line(result, s.slo_text())
+        line = verdict_line(result, slo_words(p.slo.as_dict()))
         report = s.out.with_suffix(".html")
         vllm_path = s.out.with_suffix(".vllm.txt")
         vllm = write_vllm(vllm_path, chosen.knobs, self.model)
@@ -202,6 +202,12 @@ class CapacityRun:
         say(f"{PROG}: done in {format_duration(time.monotonic() - s.started)}")
         say(line)
         return 0
+
+
+def slo_words(slo: dict[str, float | None]) -> str:
+    """``p99 TBT <= 50ms and p99 TTFT <= 2s``."""
+    names = {"tbt_p99": "p99 TBT", "ttft_p99": "p99 TTFT", "e2e_p99": "p99 E2E"}
+    return " and ".join(f"{names[k]} <= {format_duration(v)}" for k, v in slo.items() if v is not None)
 
 
 def capacity_section(result: VerdictResult, chosen: Contender) -> dict[str, Any]:

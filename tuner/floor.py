@@ -106,7 +106,8 @@ def measure_floor(backend: TrialBackend, out_dir: Path, rate: float = 1.0, spec:
     with the lowest client-side p99 TBT is kept and left applied), then small-batch windows at twice the rate."""
     spec = spec or MeasurementSpec()
     tried: list[tuple[Arrangement | None, list[TrialOutcome], list[RequestRecord]]] = []
-    for a in arrangements or [None]:
+    options: list[Arrangement | None] = list(arrangements) if arrangements else [None]
+    for a in options:
         if a is not None and arrange is not None:
             arrange(a)
         folder = Path(out_dir) / ("batch-1" if a is None else f"batch-1-{a.name}")
