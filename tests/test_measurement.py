@@ -264,6 +264,11 @@ def test_the_floor_keeps_the_least_disturbing_arrangement_and_flags_an_slo_below
     assert not floor.below(SLO(tbt_p99=0.050)) and floor.below(SLO(tbt_p99=0.020))
     assert "separate" in floor.describe() or "core of its own" in floor.describe()
     assert (tmp_path / "floor.json").exists()
+    # arrangements within the noise of each other: the first (the default) is kept
+    added.update(realtime=0.002, normal=0.0021, separate=0.0019)
+    again, _ = measure_floor(backend, tmp_path / "again", spec=MeasurementSpec(min_gaps=400, max_segments=2),
+                             arrangements=[REALTIME, NORMAL, SEPARATE], arrange=arrange)
+    assert again.arrangement == REALTIME.describe() and backend.added == 0.002
 
 
 def test_a_default_that_serves_nothing_reports_capacity_zero_and_the_ratio_errs_low() -> None:
