@@ -24,28 +24,37 @@ workload: {name: mixed, length_scale: 0.125, output_scale: 0.25}
 """
 
 
+def locust_running(children: list[psutil.Process]) -> bool:
+    for c in children:
+        try:
+            if "locust" in " ".join(c.cmdline()):
+                return True
+        except psutil.Error:
+            pass
+    return False
+
+
 def test_kill_9_of_tune_mid_trial_leaves_no_process_of_it(tmp_path: Path) -> None:
     (tmp_path / "policy.yaml").write_text(POLICY)
-    tune = subprocess.Popen([sys.executable, "-m", "tuner.cli", "--policy", "policy.yaml", "--out", "out/tuned.yaml"],
-                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 300
-        children: list[psutil.Process] = []
-        while time.monotonic() < deadline:  # wait for a trial in flight: a Locust child beside the engine
+    with open(tmp_path / "tune.log", "w") as log:
+        tune = subprocess.Popen([sys.executable, "-m", "tuner.cli", "--policy", "policy.yaml", "--out",
+                                 "out/tuned.yaml"], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 400
+            while time.monotonic() < deadline:  # wait for a trial in flight: a Locust child beside the engine
+                if locust_running(psutil.Process(tune.pid).children(recursive=True)):
+                    break
+                assert tune.poll() is None, "tune ended first: " + (tmp_path / "tune.log").read_text()
+                time.sleep(0.5)
+            else:
+                raise AssertionError("no Locust process appeared")
+            time.sleep(2)
             children = psutil.Process(tune.pid).children(recursive=True)
-            if any("locust" in " ".join(c.cmdline()) for c in children if c.is_running()):
-                break
-            assert tune.poll() is None, "tune ended before its first trial"
-            time.sleep(0.5)
-        else:
-            raise AssertionError("no Locust process appeared")
-        time.sleep(2)
-        children = psutil.Process(tune.pid).children(recursive=True)
-        assert len(children) >= 2  # the engine and Locust at least
-        os.kill(tune.pid, signal.SIGKILL)
-        tune.wait(10)
-        _, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive, [(p.pid, p.cmdline()) for p in alive]
-    finally:
-        if tune.poll() is None:
-            tune.kill()
+            assert len(children) >= 2  # the engine and Locust at least
+            os.kill(tune.pid, signal.SIGKILL)
+            tune.wait(10)
+            _, alive = psutil.wait_procs(children, timeout=30)
+            assert not alive, [(p.pid, p.cmdline()) for p in alive]
+        finally:
+            if tune.poll() is None:
+                tune.kill()
