@@ -208,6 +208,7 @@ class Policy:
     measurement: MeasurementPolicy = MeasurementPolicy()
     capacity: CapacityPolicy = CapacityPolicy()
     verdict: VerdictPolicy = VerdictPolicy()
+    time_budget: float = 840.0  # capacity objective: seconds for the whole run; the engine's searches stop in time
     source: str = "<built-in>"
 
     @property
@@ -235,6 +236,7 @@ class Policy:
                 "workload": self.workload.as_dict(), "rate": self.rate if self.rate is not None else "auto",
                 "pruning": dataclasses.asdict(self.pruning), "measurement": dataclasses.asdict(self.measurement),
                 "capacity": dataclasses.asdict(self.capacity), "verdict": dataclasses.asdict(self.verdict),
+                "time_budget": self.time_budget,
                 "source": self.source}
 
 
@@ -373,7 +375,7 @@ def _rate(value: Any, path: str) -> float | None:
 
 TOP_FIELDS = {"slo", "search_space", "fixed", "constraints", "sampler", "start", "objective", "trials",
               "trial_duration", "warmup", "seed", "workload", "rate", "pruning", "measurement", "capacity",
-              "verdict", "guardrails", "triggers", "name",
+              "verdict", "time_budget", "guardrails", "triggers", "name",
               "description"}
 
 
@@ -451,7 +453,8 @@ def parse_policy(data: Any, source: str = "<dict>") -> Policy:
         warmup=_warmup(data.get("warmup", "3s")),
         seed=_number(data.get("seed", 0), "seed", int, low=0),
         workload=workload, rate=_rate(data.get("rate", "auto"), "rate"), pruning=pruning, measurement=measurement,
-        capacity=capacity, verdict=verdict, source=source)
+        capacity=capacity, verdict=verdict, time_budget=_time_budget(data.get("time_budget", "14m"), verdict),
+        source=source)
     if sampler == "grid":
         for k in space:
             k.grid_values()
@@ -486,6 +489,14 @@ def _evidence_sections(data: dict[str, Any], trial_duration: float
                             max_rounds=_number(vs.get("max_rounds", 4), "verdict.max_rounds", int, low=2),
                             budget=budget)
     return measurement, capacity, verdict
+
+
+def _time_budget(value: Any, verdict: VerdictPolicy) -> float:
+    budget = _duration(value, "time_budget", required=True)
+    assert budget is not None
+    if budget <= verdict.budget:
+        raise PolicyError("time_budget", f"must be more than verdict.budget ({verdict.budget:g}s), got {budget:g}s")
+    return budget
 
 
 def _warmup(value: Any) -> float:

@@ -30,6 +30,7 @@ def test_default_policy_loads_and_is_attainable_shaped() -> None:
     assert p.slo.ttft_p99 == pytest.approx(2.0) and p.workload.output_scale == 1.0
     assert p.measurement.level == 0.95 and p.measurement.min_gaps == 400 and p.measurement.cap == 45.0
     assert p.capacity.resolution == 0.15 and p.verdict.max_rounds == 4 and p.verdict.budget == 300.0
+    assert p.time_budget == 840.0
 
 
 def test_default_policy_is_package_data() -> None:
@@ -78,6 +79,7 @@ def test_default_policy_is_package_data() -> None:
     (with_(verdict={"budget": "never"}), "verdict.budget", "not a duration"),
     (with_(verdict={"candidates": 0}), "verdict.candidates", ">= 1"),
     (with_(workload={"name": "mixed", "output_scale": 0}), "workload.output_scale", "> 0"),
+    (with_(time_budget="4m"), "time_budget", "more than verdict.budget"),
 ])
 def test_bad_policy_names_the_field(data: dict, field: str, words: str) -> None:
     with pytest.raises(PolicyError) as info:

@@ -74,8 +74,13 @@ class CapacityRun:
         run_trials(self.study, self.runner, p, p.trials, self.s.trials_dir, on_trial=self.trial_line,
                    searcher=self.searcher, max_runs=1)  # the default config: enqueued first
         self.screen()
+        # the searches stop in time to leave the verdict its budget (a search in flight finishes)
+        deadline = self.s.started + p.time_budget - p.verdict.budget
         run_trials(self.study, self.runner, p, p.trials, self.s.trials_dir, on_trial=self.trial_line,
-                   searcher=self.searcher)
+                   searcher=self.searcher, deadline=deadline)
+        if time.monotonic() > deadline:
+            say(f"{PROG}: the time budget ({format_duration(p.time_budget)}) leaves the verdict its "
+                f"{format_duration(p.verdict.budget)}: no further configs searched")
         return self.finish()
 
     def trial_line(self, r: TrialReport) -> None:
