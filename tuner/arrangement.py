@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 from tuner.engine_handle import ManagedEngine
+from tuner.simulator_trial import SimTrialRunner
 from tuner.trial_runner import TrialRunner
 
 
@@ -34,8 +35,11 @@ NORMAL = Arrangement("normal", False)
 SEPARATE = Arrangement("separate", False, separate=True)
 
 
-def candidates(runner: TrialRunner) -> list[Arrangement]:
-    """The arrangements worth trying here: separate cores only with >= 2 cores and an engine tune started."""
+def candidates(runner: TrialRunner | SimTrialRunner) -> list[Arrangement]:
+    """The arrangements worth trying here: none for a simulated engine; separate cores only with >= 2 cores and an
+    engine tune started."""
+    if isinstance(runner, SimTrialRunner):
+        return []
     out = [REALTIME, NORMAL]
     if len(os.sched_getaffinity(0)) >= 2 and isinstance(runner.engine, ManagedEngine):
         out.append(SEPARATE)
@@ -55,8 +59,10 @@ def set_affinity(pid: int, cpus: set[int]) -> None:
             pass
 
 
-def apply(runner: TrialRunner, arrangement: Arrangement) -> None:
+def apply(runner: TrialRunner | SimTrialRunner, arrangement: Arrangement) -> None:
     """Arrange the runner's load generator (and the engine it owns) as ``arrangement`` says."""
+    if isinstance(runner, SimTrialRunner):
+        return
     cpus = sorted(os.sched_getaffinity(0))
     runner.realtime = arrangement.realtime
     runner.generator_cpus = (cpus[-1],) if arrangement.separate else None

@@ -188,7 +188,7 @@ class CapacitySearcher:
         return cap
 
 
-def capacity_searcher(runner: TrialBackend, policy: Policy) -> CapacitySearcher:
+def capacity_searcher(runner: TrialBackend, policy: Policy) -> CapacitySearcher:  # a TrialRunner or SimTrialRunner
     """The policy's rate search on ``runner`` (see tuner/capacity.py), its measurements sized by the policy."""
     return CapacitySearcher(runner, measurement_spec(policy), [k.name for k in policy.search_space],
                             policy.capacity.resolution, policy.capacity.max_probes, policy.capacity.start_rate)

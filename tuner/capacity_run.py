@@ -22,6 +22,7 @@ from tuner.floor import measure_floor
 from tuner.measurement import Measurement
 from tuner.output import short_knobs, write_report, write_tuned_yaml, write_vllm
 from tuner.study import ROLE_DEFAULT, TrialReport, measured, run_trials
+from tuner.simulator_trial import SimTrialRunner
 from tuner.trial_runner import TrialRunner
 from tuner.verdict import DEFAULT, Contender, VerdictResult, paired_verdict, verdict_line
 
@@ -37,7 +38,8 @@ def say(text: str) -> None:
 
 
 class CapacityRun:
-    def __init__(self, session: "TuneSession", runner: TrialRunner, study: optuna.Study, model: str | None) -> None:
+    def __init__(self, session: "TuneSession", runner: TrialRunner | SimTrialRunner, study: optuna.Study,
+                 model: str | None) -> None:
         self.s = session
         self.p = session.policy
         self.runner = runner
@@ -98,7 +100,9 @@ class CapacityRun:
         from tuner.capacity import capacity_searcher as searcher_on
         from tuner.screening import _sample, measured_steps, sim_runner_like
 
-        sim = sim_runner_like(self.runner, measured=measured_steps(self.study) or None)
+        # on a simulated engine (tests) the screen is that simulator itself
+        sim = self.runner if isinstance(self.runner, SimTrialRunner) else \
+            sim_runner_like(self.runner, measured=measured_steps(self.study) or None)
         rescaled = getattr(sim.timer, "meta", {}).get("rescaled")
         n = getattr(self.s.args, "screen", None) or SCREENED
         say(f"{PROG}: screening {n} configs for capacity in the simulator"

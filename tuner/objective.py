@@ -13,6 +13,7 @@ import optuna
 from loadtest.summary import SLO
 from policies import Policy
 from tuner.capacity import Capacity, CapacitySearcher
+from tuner.trial_backend import TrialBackend
 from tuner.trial_runner import TrialOutcome, TrialRunner
 
 CONSTRAINTS_ATTR = "constraints"  # the user attr constraints_func reads (Optuna stores its result in system attrs)
@@ -78,8 +79,9 @@ class Evaluation:
     capacity: Capacity | None = None
 
 
-def evaluate_goodput(runner: TrialRunner, knobs: dict[str, Any], out_dir: Path, prune: bool = True) -> Evaluation:
-    o = runner.run(knobs, out_dir, prune=prune)
+def evaluate_goodput(runner: TrialRunner | TrialBackend, knobs: dict[str, Any], out_dir: Path,
+                     prune: bool = True) -> Evaluation:
+    o = runner.run(knobs, out_dir, prune=prune) if isinstance(runner, TrialRunner) else runner.run(knobs, out_dir)
     assert isinstance(runner.slo, SLO)
     return Evaluation(o, goodput(o), slo_constraints(o, runner.slo), [])
 

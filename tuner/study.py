@@ -31,6 +31,7 @@ from tuner.objective import (CONSTRAINTS_ATTR, Evaluation, constraints_func, eva
 from tuner.capacity import CapacitySearcher, capacity_searcher
 from tuner.samplers import ROLE_DEFAULT, SamplerWithoutDefaultTrial
 from tuner.structured_start import enqueue_start, startup_trials
+from tuner.trial_backend import TrialBackend
 from tuner.trial_runner import TrialOutcome, TrialRunner, check_stop
 
 DEFAULT_STORAGE = "sqlite:///tune-study.db"
@@ -276,7 +277,7 @@ class TrialReport:
     probes: list[dict[str, Any]] = field(default_factory=list)
 
 
-def run_trials(study: optuna.Study, runner: TrialRunner, policy: Policy, n_trials: int, out_dir: Path,
+def run_trials(study: optuna.Study, runner: TrialRunner | TrialBackend, policy: Policy, n_trials: int, out_dir: Path,
                on_trial: Callable[[TrialReport], None] | None = None, searcher: CapacitySearcher | None = None,
                deadline: float | None = None, max_runs: int | None = None) -> int:
     """Ask/run/tell until the study holds ``n_trials`` counted trials (or ``deadline``, a time.monotonic(), passes,
