@@ -32,12 +32,16 @@ class Contender:
     tokens: list[float] = field(default_factory=list)  # output tokens/s at that capacity per round
 
     def capacity(self, level: float = DEFAULT_LEVEL) -> Interval:
-        """Geometric mean of the round capacities with its t interval (with one round the interval is unbounded).
-        When some round showed no rate served, no mean is claimed: the value is 0, the range that of the rounds'
-        brackets."""
+        """Geometric mean of the round capacities; the interval's low end the t bound of the rounds' capacities,
+        its high end that of their ceilings, so each round's bracket counts as well as the spread between rounds
+        (with one round the high end is unbounded). When some round showed no rate served, no mean is claimed:
+        the value is 0, the range up to the highest ceiling."""
         if self.rounds and min(self.rounds) <= 0:
             return Interval(0.0, 0.0, max(self.ceilings, default=math.inf), level, len(self.rounds))
-        return geometric_interval(self.rounds, level)
+        lows = geometric_interval(self.rounds, level)
+        highs = geometric_interval([c if math.isfinite(c) else math.inf for c in self.ceilings], level)
+        high = highs.high if all(math.isfinite(c) for c in self.ceilings) else math.inf
+        return Interval(lows.value, lows.low, max(high, lows.value), level, len(self.rounds))
 
     def upper(self, i: int) -> float:
         """Round i's capacity, or where nothing was shown served there, its ceiling (a bound from above)."""
@@ -71,13 +75,24 @@ class VerdictResult:
         return look_level(self.level, self.max_rounds)
 
     def ratio(self, c: Contender) -> Interval:
-        """Paired ratio of the rounds' capacities. A round where the default showed no rate served uses its ceiling
-        (a bound from above: the ratio then errs low, never in the candidate's favour); one where the candidate
-        showed none counts as the lowest rate any search tries (so the candidate is never "better" there)."""
+        """Paired ratio of the rounds' capacities, each round known only within its bracket: the low end is the
+        paired t bound of (candidate's capacity / default's ceiling), the high end that of (candidate's ceiling /
+        default's capacity), the value the geometric mean of the rounds' capacity ratios. So a ratio is "better"
+        only when even the brackets' unfavourable ends, and the spread between rounds, leave it above 1. A round
+        where the default showed no rate served uses its ceiling as its capacity (errs low, never in the
+        candidate's favour); one where the candidate showed none counts as the lowest rate any search tries."""
         n = min(len(c.rounds), len(self.default.rounds))
+        d = self.default
         ours = [v if v > 0 else MIN_RATE for v in c.rounds[:n]]
-        theirs = [self.default.upper(i) for i in range(n)]
-        return paired_ratio_interval(ours, theirs, self.ratio_level)
+        mid = paired_ratio_interval(ours, [d.upper(i) for i in range(n)], self.ratio_level)
+        low = paired_ratio_interval(ours, [d.ceilings[i] if math.isfinite(d.ceilings[i]) else d.upper(i)
+                                           for i in range(n)], self.ratio_level)
+        tops = [x if math.isfinite(x) else math.nan for x in c.ceilings[:n]]
+        if any(math.isnan(x) for x in tops) or any(d.rounds[i] <= 0 for i in range(n)):
+            high = math.inf
+        else:
+            high = paired_ratio_interval(tops, d.rounds[:n], self.ratio_level).high
+        return Interval(mid.value, min(low.low, mid.value), max(high, mid.value), self.ratio_level, mid.n)
 
     @property
     def best(self) -> Contender | None:
