@@ -16,7 +16,7 @@ from loadtest.records import RequestRecord, write_records
 from loadtest.summary import SLO, summarize
 from tuner.capacity import knob_distance, next_rate, search_capacity, start_from_known
 from tuner.measurement import Figures, Measurement, MeasurementSpec, figures, measure, should_stop
-from tuner.statistics import Interval
+from tuner.statistics import Interval, Verdict
 from tuner.trial_runner import TrialOutcome
 from tuner.verdict import Contender, paired_verdict, verdict_line
 
@@ -89,15 +89,16 @@ def test_a_p99_from_too_few_gaps_is_never_decided() -> None:
     assert g.attaining == 60 and g.ttft_p99.high == math.inf  # no first token: an infinite TTFT
 
 
-def scripted_measurement(rate: float, verdict: str) -> Measurement:
+def scripted_measurement(rate: float, verdict: Verdict) -> Measurement:
     iv = Interval(0.9, 0.8, 1.0, 0.95, 50)
-    f = Figures(50, 45, 1000, iv, iv, iv, {"attainment": verdict})  # type: ignore[dict-item]
+    f = Figures(50, 45, 1000, iv, iv, iv, {"attainment": verdict})
     return Measurement({"max_num_seqs": 4}, rate, f)
 
 
 def truth(capacity: float, edge: float = 0.04) -> Any:
     def probe(rate: float) -> Measurement:
-        v = "met" if rate <= capacity * (1 - edge) else "missed" if rate >= capacity * (1 + edge) else "undecided"
+        v: Verdict = "met" if rate <= capacity * (1 - edge) else "missed" if rate >= capacity * (1 + edge) \
+            else "undecided"
         return scripted_measurement(rate, v)
     return probe
 

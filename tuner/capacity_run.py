@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 import optuna
 
 from loadtest.durations import format_duration
+from loadtest.summary import SLO
 from tuner.capacity import CapacitySearcher, capacity_searcher
 from tuner.floor import measure_floor
 from tuner.measurement import Measurement
 from tuner.output import short_knobs, write_report, write_tuned_yaml, write_vllm
-from tuner.study import ROLE_DEFAULT, TrialReport, measured, run_trials
 from tuner.simulator_trial import SimTrialRunner
+from tuner.study import ROLE_DEFAULT, TrialReport, measured, run_trials
 from tuner.trial_runner import TrialRunner
 from tuner.verdict import DEFAULT, Contender, VerdictResult, paired_verdict, verdict_line
 
@@ -63,7 +64,7 @@ class CapacityRun:
                                  arrange=lambda a: arrangement.apply(self.runner, a))
         self.floor = floor.as_dict()
         say(f"{PROG}: floor: {floor.describe()}")
-        if floor.reason is not None or floor.below(self.runner.slo):  # type: ignore[arg-type]
+        if floor.reason is not None or floor.below(SLO(**p.slo.as_dict())):
             why = floor.reason or (f"p99 TBT <= {format_duration(p.slo.tbt_p99)} is below this machine's floor: one "
                                    f"request at a time already gets p99 TBT {floor.tbt_p99_batch1.format('ms', 1000)}")
             print(f"{PROG}: error: {why}; no config can meet it here (nothing written; floor: "

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.summary import SLO
 from loadtest.records import RequestRecord
+from loadtest.summary import SLO
 from tuner.arrangement import Arrangement
 from tuner.measurement import FAILURES, MeasurementSpec, figures, segment_seed, window_records
 from tuner.statistics import Interval, upper_verdict

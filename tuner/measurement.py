@@ -27,8 +27,15 @@ import numpy as np
 
 from loadtest.records import RequestRecord, read_records
 from loadtest.summary import SLO, attains, token_gaps
-from tuner.statistics import (DEFAULT_LEVEL, Interval, Verdict, lower_verdict, proportion_interval,
-                              quantile_interval, upper_verdict)
+from tuner.statistics import (
+    DEFAULT_LEVEL,
+    Interval,
+    Verdict,
+    lower_verdict,
+    proportion_interval,
+    quantile_interval,
+    upper_verdict,
+)
 from tuner.trial_backend import TrialBackend
 from tuner.trial_runner import TrialOutcome
 
