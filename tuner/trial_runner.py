@@ -172,6 +172,9 @@ class TrialRunner:
         self._ensure_engine()
         if not self.handle.wait_idle(self.idle_timeout):
             return self._fail(knobs, out_dir, rate, f"the engine did not become idle within {self.idle_timeout:.0f}s")
+        # the step to read on from: taken while idle, before the config change and the reset (the window's steps
+        # are then picked by their start times)
+        first_step = int((self.handle.health() or {}).get("last_step", -1))
         try:
             applied = self.handle.patch_config(knobs)
         except ConfigRejected as error:
@@ -183,7 +186,6 @@ class TrialRunner:
             self.handle.reset_prefix_cache()
         except EngineError as error:
             return self._fail(knobs, out_dir, rate, f"could not reset the prefix cache: {error}")
-        first_step = int((self.handle.health() or {}).get("last_step", -1))
         cfg = self.load_config(rate, out_dir, seed)
         assert isinstance(self.slo, SLO)
         watcher = PruneWatcher(self.slo.tbt_p99, self.pruning, self.duration) \
