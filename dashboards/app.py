@@ -160,7 +160,7 @@ def study_body(settings: DashboardSettings, name: str | None) -> list[Any]:
     slo = study.user_attrs.get("slo") or {}
     rows = [[r.number, r.state, fmt(r.value), fmt(r.feasible), fmt(r.throughput), fmt(r.tbt_p99, 1000),
              ", ".join(f"{k}={v}" for k, v in r.params.items()), ("simulated " if r.simulated else "") +
-             (r.reason or ""), _trial_link(r, settings)] for r in study.rows]
+             (r.reason or ""), r.evidence, _trial_link(r, settings)] for r in study.rows]
     completed = sum(r.state == "COMPLETE" for r in study.rows)
     info = (f"{len(study.rows)} trials ({completed} completed, {sum(r.feasible for r in study.rows)} feasible); "
             f"objective: {study.user_attrs.get('objective', 'goodput')} ({study.direction}); workload "
@@ -171,7 +171,7 @@ def study_body(settings: DashboardSettings, name: str | None) -> list[Any]:
             html.Div([graph("study-pareto", figures.pareto_figure(study.rows, slo.get("tbt_p99"))),
                       graph("study-importance", figures.importance_figure(study.importances))], className="row"),
             table(["trial", "state", "objective", "feasible", "tokens/s", "p99 TBT ms", "params", "reason",
-                   "details"], rows, "study-table")]
+                   "capacity and intervals", "details"], rows, "study-table")]
 
 
 def live_page(settings: DashboardSettings) -> html.Div:

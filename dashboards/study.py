@@ -39,6 +39,7 @@ class TrialRow:
     trial_dir: str | None
     simulated: bool
     knobs: dict[str, Any] = field(default_factory=dict)
+    evidence: str = ""  # capacity objective: the capacity with its bracket, and the figures at it with intervals
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,15 @@ def trial_row(trial: optuna.trial.FrozenTrial) -> TrialRow:
                     reason=attrs.get("reason"), throughput=_number(summary.get("output_tokens_per_s")),
                     tbt_p99=_number(summary.get("tbt_p99")), ttft_p99=_number(summary.get("ttft_p99")),
                     trial_dir=attrs.get("trial_dir"), simulated=bool(attrs.get("simulated")),
-                    knobs=dict(attrs.get("knobs") or {}))
+                    knobs=dict(attrs.get("knobs") or {}), evidence=evidence_text(attrs))
+
+
+def evidence_text(attrs: dict[str, Any]) -> str:
+    """``capacity 2.1 req/s (bracket 2.1-2.4, 4 probes) | at it: attainment 94% (88-98) met, ...`` ("" without)."""
+    cap = attrs.get("capacity") or {}
+    if not cap:
+        return ""
+    return str(cap.get("describe") or "") + (f" | at it: {cap['at_capacity']}" if cap.get("at_capacity") else "")
 
 
 def load_study(storage_url: str, name: str | None = None) -> StudyData:

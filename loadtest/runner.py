@@ -8,6 +8,7 @@ The tuner may call :func:`run_loadtest` directly, or run ``slotune loadtest`` as
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ from loadtest.schedule import build_schedule
 
 LOCUSTFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "locustfile.py")
 STARTUP_ALLOWANCE_S = 60.0  # Locust start-up, workers connecting, the plan going out
+_PR_SET_PDEATHSIG = 1
 REALTIME_PRIORITY = 10  # SCHED_RR priority of the load processes with realtime=True (1..99; low among RT tasks)
 
 
@@ -70,13 +72,28 @@ def stop_process(proc: subprocess.Popen, grace: float) -> None:
         pass
 
 
-def _priority(nice: int, realtime: bool) -> Callable[[], None] | None:
-    """What a load process does before exec: lower its niceness and/or take a real-time (SCHED_RR) priority.
-    Without the privilege it keeps the normal priority (the summary says which it got)."""
-    if not nice and not realtime:
-        return None
+def die_with_parent() -> None:
+    """Ask the kernel to SIGTERM this process when its parent dies (Linux prctl PR_SET_PDEATHSIG), so a load process
+    started in a session of its own does not outlive a parent killed by SIGKILL."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def _priority(nice: int, realtime: bool, cpus: tuple[int, ...] | None = None) -> Callable[[], None]:
+    """What a load process does before exec: die with its parent; keep to ``cpus`` (if given); lower its niceness
+    and/or take a real-time (SCHED_RR) priority. Without the privilege it keeps the normal priority (the summary
+    says which it got)."""
 
     def apply() -> None:
+        die_with_parent()
+        if cpus:
+            try:
+                os.sched_setaffinity(0, cpus)
+            except (OSError, AttributeError):
+                pass
         if nice:
             try:
                 os.nice(nice)
@@ -101,7 +118,8 @@ def _scheduling(pid: int) -> str:
 
 
 def run_loadtest(cfg: LoadConfig, workers: int = 1, on_progress: Callable[[dict], None] | None = None,
-                 timeout: float | None = None, nice: int = 0, realtime: bool = False) -> dict:
+                 timeout: float | None = None, nice: int = 0, realtime: bool = False,
+                 cpus: tuple[int, ...] | None = None) -> dict:
     """Run the load test described by ``cfg`` with ``workers`` load processes; return the summary dict.
 
     ``realtime`` (SCHED_RR) or a negative ``nice`` (both need the privilege) let the generator keep its schedule
@@ -136,13 +154,13 @@ def run_loadtest(cfg: LoadConfig, workers: int = 1, on_progress: Callable[[dict]
         logs.append(main_log)
         # a session of their own: Ctrl-C reaches only us, and we stop Locust cleanly
         main = subprocess.Popen(main_cmd, stdout=subprocess.PIPE, stderr=main_log, env=env, text=True,
-                                start_new_session=True, preexec_fn=_priority(nice, realtime))
+                                start_new_session=True, preexec_fn=_priority(nice, realtime, cpus))
         procs.append(main)
         for i, cmd in enumerate(worker_cmds):
             wlog = open(os.path.join(cfg.out, f"locust-worker-{i}.log"), "w")
             logs.append(wlog)
             procs.append(subprocess.Popen(cmd, stdout=wlog, stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True, preexec_fn=_priority(nice, realtime)))
+                                          start_new_session=True, preexec_fn=_priority(nice, realtime, cpus)))
 
         def relay() -> None:
             assert main.stdout is not None

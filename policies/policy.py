@@ -120,6 +120,7 @@ class WorkloadSpec:
     time_scale: float | None = None
     trace_offset: float = 0.0  # seconds of the trace's own timeline to skip (traces often start sparse)
     max_context: int | None = None
+    output_scale: float | None = None  # output lengths' own scale (None: length_scale scales outputs too)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -131,6 +132,34 @@ class PruningSpec:
     min_gaps: int = 100
     violation_share: float = 0.05
     min_elapsed: float = 0.3
+
+
+@dataclass(frozen=True)
+class MeasurementPolicy:
+    """How one measurement of a config at a rate is sized (tuner/measurement.py): windows of ``trial_duration``
+    until its figures are decided at ``level``, at most ``cap`` seconds of windows."""
+
+    level: float = 0.95      # two-sided confidence level of every interval, in (0.5, 1)
+    min_gaps: int = 400      # a p99 TBT is judged only from this many pooled gaps on (>= 1)
+    cap: float = 60.0        # seconds of measurement windows at most (>= trial_duration)
+
+
+@dataclass(frozen=True)
+class CapacityPolicy:
+    """The per-config rate search (tuner/capacity.py)."""
+
+    resolution: float = 0.15  # stop when the bracket's high/low <= 1 + resolution (> 0)
+    max_probes: int = 6       # measurements per config at most (>= 1)
+    start_rate: float = 1.0   # req/s of the first probe when nothing is known yet (> 0)
+
+
+@dataclass(frozen=True)
+class VerdictPolicy:
+    """The paired, repeated comparison of the best configs with the default config (tuner/verdict.py)."""
+
+    candidates: int = 2       # best configs re-measured beside the default (>= 1)
+    max_rounds: int = 4       # paired rounds at most (>= 2)
+    budget: float = 300.0     # seconds the rounds may take in all (> 0)
 
 
 @dataclass(frozen=True)
@@ -149,7 +178,11 @@ class Policy:
     workload: WorkloadSpec = WorkloadSpec()
     rate: float | None = None  # None = auto
     pruning: PruningSpec = PruningSpec()
-    control: ControlSpec = field(default_factory=ControlSpec)  # the controller's guardrails, triggers, canary and retune sections
+    measurement: MeasurementPolicy = MeasurementPolicy()
+    capacity: CapacityPolicy = CapacityPolicy()
+    verdict: VerdictPolicy = VerdictPolicy()
+    time_budget: float = 840.0  # capacity objective: seconds for the whole run; the engine's searches stop in time
+    control: ControlSpec = field(default_factory=ControlSpec)  # the controller's sections (policies.control)
     source: str = "<built-in>"
 
     @property
@@ -175,7 +208,9 @@ class Policy:
                 "sampler": self.sampler, "start": self.start, "objective": self.objective, "trials": self.trials,
                 "trial_duration": self.trial_duration, "warmup": self.warmup, "seed": self.seed,
                 "workload": self.workload.as_dict(), "rate": self.rate if self.rate is not None else "auto",
-                "pruning": dataclasses.asdict(self.pruning), "control": dataclasses.asdict(self.control),
+                "pruning": dataclasses.asdict(self.pruning), "measurement": dataclasses.asdict(self.measurement),
+                "capacity": dataclasses.asdict(self.capacity), "verdict": dataclasses.asdict(self.verdict),
+                "time_budget": self.time_budget, "control": dataclasses.asdict(self.control),
                 "source": self.source}
 
 
@@ -197,7 +232,9 @@ def _policy(doc: PolicyDoc, data: dict[str, Any], source: str) -> Policy:
                   constraints=tuple(Constraint(*c) for c in doc.constraints), sampler=doc.sampler, start=doc.start,
                   objective=doc.objective, trials=doc.trials, trial_duration=doc.trial_duration, warmup=doc.warmup,
                   seed=doc.seed, workload=workload, rate=doc.rate, pruning=PruningSpec(**doc.pruning.model_dump()),
-                  control=_control(data, space), source=source)
+                  measurement=MeasurementPolicy(**doc.measurement.model_dump()),
+                  capacity=CapacityPolicy(**doc.capacity.model_dump()), verdict=VerdictPolicy(**doc.verdict.model_dump()),
+                  time_budget=doc.time_budget, control=_control(data, space), source=source)
 
 
 def _control(data: dict[str, Any], space: tuple[KnobRange, ...]) -> ControlSpec:

@@ -213,6 +213,25 @@ class WorkloadDoc(_Doc):
     time_scale: float | None = Field(None, gt=0)
     trace_offset: Seconds = 0.0  # seconds of the trace's own timeline to skip (traces often start sparse)
     max_context: int | None = Field(None, ge=2)
+    output_scale: float | None = Field(None, gt=0)  # output lengths' own scale (None: length_scale scales them)
+
+
+class MeasurementDoc(_Doc):
+    level: float = Field(0.95, gt=0.5, lt=1.0)
+    min_gaps: int = Field(400, ge=1)
+    cap: PositiveSeconds = 60.0
+
+
+class CapacityDoc(_Doc):
+    resolution: float = Field(0.15, gt=0)
+    max_probes: int = Field(6, ge=1)
+    start_rate: float = Field(1.0, gt=0)
+
+
+class VerdictDoc(_Doc):
+    candidates: int = Field(2, ge=1)
+    max_rounds: int = Field(4, ge=2)
+    budget: PositiveSeconds = 300.0
 
 
 class PruningDoc(_Doc):
@@ -237,6 +256,10 @@ class PolicyDoc(_Doc):
     workload: WorkloadDoc = WorkloadDoc()
     rate: Rate = None  # None: auto
     pruning: PruningDoc = PruningDoc()
+    measurement: MeasurementDoc = MeasurementDoc()
+    capacity: CapacityDoc = CapacityDoc()
+    verdict: VerdictDoc = VerdictDoc()
+    time_budget: PositiveSeconds = 840.0  # capacity objective: the whole run; the engine's searches stop in time
     # the controller's sections, validated by policies.control
     guardrails: Any = None
     triggers: Any = None
@@ -250,7 +273,7 @@ class PolicyDoc(_Doc):
     def _nulls_are_empty(cls, data: Any) -> Any:
         if isinstance(data, dict):
             empty: dict[str, Any] = {"slo": {}, "search_space": {}, "fixed": {}, "constraints": [], "workload": {},
-                                     "pruning": {}}
+                                     "pruning": {}, "measurement": {}, "capacity": {}, "verdict": {}}
             data = {**data, **{k: v for k, v in empty.items() if data.get(k) is None}}
         return data
 
@@ -261,6 +284,11 @@ class PolicyDoc(_Doc):
             raise At("search_space", "must name at least one knob to search")
         for name in sorted(self.fixed.model_fields_set & searched):
             raise At(f"fixed.{name}", "is also in search_space")
+        if self.measurement.cap < self.trial_duration:
+            raise At("measurement.cap", f"must be >= trial_duration ({self.trial_duration:g}s), got "
+                                        f"{self.measurement.cap:g}s")
+        if self.time_budget <= self.verdict.budget:
+            raise At("time_budget", f"must be more than verdict.budget ({self.verdict.budget:g}s), got {self.time_budget:g}s")
         return self
 
 

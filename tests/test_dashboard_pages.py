@@ -89,3 +89,13 @@ def test_dashboard_flag_errors_name_the_flag(tmp_path: Path, capsys: pytest.Capt
                           (["--poll-interval", "0"], "--poll-interval:")):
         assert main(args) == 2  # before any server starts
         assert message in capsys.readouterr().err
+
+
+def test_the_study_page_shows_a_capacity_trial_with_its_bracket_and_intervals() -> None:
+    from dashboards.study import evidence_text
+
+    attrs = {"capacity": {"describe": "capacity 2.1 req/s (bracket 2.1-2.4, 4 probes), 180 output tok/s",
+                          "at_capacity": "attainment 94% (88-98%) met, p99 TBT 41ms (38-45) met"}}
+    text = evidence_text(attrs)
+    assert text.startswith("capacity 2.1 req/s (bracket 2.1-2.4") and "at it: attainment 94% (88-98%) met" in text
+    assert evidence_text({"summary": {}}) == ""

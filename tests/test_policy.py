@@ -26,7 +26,11 @@ def test_default_policy_loads_and_is_attainable_shaped() -> None:
     assert p.knob("max_num_seqs").low == 1  # a batch of one must be reachable: the 50 ms SLO needs it on a CPU
     assert [str(c) for c in p.constraints] == ["chunk_size <= max_num_batched_tokens",
                                                "max_num_seqs <= max_num_batched_tokens"]
-    assert p.rate is None and p.sampler == "tpe" and p.objective == "goodput"
+    assert p.rate is None and p.sampler == "tpe" and p.objective == "capacity"
+    assert p.slo.ttft_p99 == pytest.approx(2.0) and p.workload.output_scale == 1.0
+    assert p.measurement.level == 0.95 and p.measurement.min_gaps == 400 and p.measurement.cap == 45.0
+    assert p.capacity.resolution == 0.15 and p.verdict.max_rounds == 4 and p.verdict.budget == 300.0
+    assert p.time_budget == 840.0
 
 
 def test_default_policy_is_package_data() -> None:
@@ -63,6 +67,19 @@ def test_default_policy_is_package_data() -> None:
     (with_(sampler="grid", search_space={"prefill_token_ratio": {"low": 0.1, "high": 1.0}}),
      "search_space.prefill_token_ratio", "grid sampler"),
     (with_(bogus=1), "bogus", "unknown field"),
+    (with_(measurement={"level": 1.0}), "measurement.level", "< 1"),
+    (with_(measurement={"level": 0.4}), "measurement.level", "> 0.5"),
+    (with_(measurement={"cap": "5s"}), "measurement.cap", ">= trial_duration"),
+    (with_(measurement={"min_gaps": 0}), "measurement.min_gaps", ">= 1"),
+    (with_(measurement={"gaps": 3}), "measurement.gaps", "unknown field"),
+    (with_(capacity={"resolution": 0}), "capacity.resolution", "> 0"),
+    (with_(capacity={"max_probes": 0}), "capacity.max_probes", ">= 1"),
+    (with_(capacity={"start_rate": -1}), "capacity.start_rate", "> 0"),
+    (with_(verdict={"max_rounds": 1}), "verdict.max_rounds", ">= 2"),
+    (with_(verdict={"budget": "never"}), "verdict.budget", "not a duration"),
+    (with_(verdict={"candidates": 0}), "verdict.candidates", ">= 1"),
+    (with_(workload={"name": "mixed", "output_scale": 0}), "workload.output_scale", "> 0"),
+    (with_(time_budget="4m"), "time_budget", "more than verdict.budget"),
 ])
 def test_bad_policy_names_the_field(data: dict, field: str, words: str) -> None:
     with pytest.raises(PolicyError) as info:

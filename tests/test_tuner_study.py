@@ -21,7 +21,10 @@ from optuna.trial import TrialState
 import tuner.study
 from dashboards.study import load_study
 from loadtest.summary import SLO
-from policies import SAMPLERS, PruningSpec, load_policy
+from policies import SAMPLERS, Policy, PruningSpec, load_policy
+from tests.test_measurement import ScriptedBackend
+from tuner.capacity import CapacitySearcher
+from tuner.measurement import MeasurementSpec
 from tuner.objective import constraints_func, evaluate_capacity
 from tuner.pruning import PruneWatcher, gaps_above, itl_buckets
 from tuner.structured_start import ROLE_START, START_STEP_ATTR, startup_trials
@@ -31,6 +34,11 @@ from tuner.study import (HEARTBEAT_STALE_S, ROLE_DEFAULT, SURPLUS_ATTR, Heartbea
 from tuner.trial_runner import TrialOutcome, feasibility, step_stats
 
 DEFAULT_KNOBS = {"max_num_seqs": 64, "max_num_batched_tokens": 512, "chunk_size": None, "block_size": 16}
+
+
+def goodput_policy() -> Policy:
+    """The default policy at a fixed offered load (the study's mechanics; capacity has its own tests)."""
+    return load_policy().replace(objective="goodput")
 
 
 @dataclass
@@ -71,7 +79,7 @@ def test_storage_specs(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("sampler", SAMPLERS)
 def test_every_sampler_runs_trials_with_constraints(tmp_path: Path, sampler: str) -> None:
-    policy = load_policy().replace(sampler=sampler, trials=6)
+    policy = goodput_policy().replace(sampler=sampler, trials=6)
     study = open_study(open_storage(str(tmp_path / "s.db")), "s", policy)
     enqueue_default(study)
     runner = CheapRunner()
@@ -102,7 +110,7 @@ def test_every_sampler_runs_trials_with_constraints(tmp_path: Path, sampler: str
 
 
 def test_tpe_finds_a_feasible_config_better_than_the_default(tmp_path: Path) -> None:
-    policy = load_policy().replace(trials=14)
+    policy = goodput_policy().replace(trials=14)
     study = open_study(open_storage(str(tmp_path / "s.db")), "s", policy)
     enqueue_default(study)
     run_trials(study, CheapRunner(), policy, 14, tmp_path)
@@ -115,7 +123,7 @@ def test_tpe_finds_a_feasible_config_better_than_the_default(tmp_path: Path) -> 
 def test_the_default_trial_leaves_the_samplers_joint_search_space_whole(tmp_path: Path, sampler: str) -> None:
     """The default-config trial has no params; seen by TPE (multivariate) or GP it empties the intersection search
     space and they sample every knob independently (GP: at random) for the rest of the study."""
-    policy = load_policy().replace(trials=9, sampler=sampler, start="random")
+    policy = goodput_policy().replace(trials=9, sampler=sampler, start="random")
     study = open_study(open_storage(f"journal:{tmp_path}/s.journal"), "s", policy)
     enqueue_default(study)
     run_trials(study, CheapRunner(), policy, 5, tmp_path)
@@ -133,7 +141,7 @@ def _start_knobs(study: optuna.Study) -> list[dict[str, Any]]:
 
 
 def test_tpe_starts_with_a_max_num_seqs_bisection_then_steps_at_the_boundary(tmp_path: Path) -> None:
-    policy = load_policy().replace(trials=30)  # 10 start-up trials
+    policy = goodput_policy().replace(trials=30)  # 10 start-up trials
     study = open_study(open_storage(str(tmp_path / "s.db")), "s", policy)
     enqueue_default(study)
     run_trials(study, CheapRunner(), policy, 13, tmp_path)
@@ -169,7 +177,7 @@ def test_tpe_starts_with_a_max_num_seqs_bisection_then_steps_at_the_boundary(tmp
 
 
 def test_resume_runs_only_the_missing_trials_and_recovers_a_dead_process(tmp_path: Path) -> None:
-    policy = load_policy().replace(trials=4)
+    policy = goodput_policy().replace(trials=4)
     storage = open_storage(str(tmp_path / "s.db"))
     study = open_study(storage, "s", policy)
     enqueue_default(study)
@@ -191,7 +199,7 @@ def test_resume_runs_only_the_missing_trials_and_recovers_a_dead_process(tmp_pat
 
 
 def test_a_trial_whose_process_died_on_another_machine_is_recovered_by_its_stale_heartbeat(tmp_path: Path) -> None:
-    policy = load_policy().replace(trials=4)
+    policy = goodput_policy().replace(trials=4)
     study = open_study(open_storage(str(tmp_path / "s.db")), "s", policy)
     now = time.time()
     stale, live, silent = study.ask(), study.ask(), study.ask()
@@ -205,7 +213,7 @@ def test_a_trial_whose_process_died_on_another_machine_is_recovered_by_its_stale
 
 
 def test_a_running_trial_keeps_its_heartbeat_fresh(tmp_path: Path) -> None:
-    study = open_study(open_storage(f"journal:{tmp_path}/s.journal"), "s", load_policy())
+    study = open_study(open_storage(f"journal:{tmp_path}/s.journal"), "s", goodput_policy())
     trial = study.ask()
     with Heartbeat(trial, interval=0.05):
         time.sleep(0.3)
@@ -216,7 +224,7 @@ def test_a_running_trial_keeps_its_heartbeat_fresh(tmp_path: Path) -> None:
 
 
 def test_two_processes_share_a_study_without_duplicates(tmp_path: Path) -> None:
-    policy = load_policy().replace(trials=10)
+    policy = goodput_policy().replace(trials=10)
     path = f"journal:{tmp_path}/shared.journal"
     first = open_study(open_storage(path), "shared", policy)
     enqueue_default(first)
@@ -241,7 +249,7 @@ def test_two_processes_share_a_study_without_duplicates(tmp_path: Path) -> None:
 
 
 def test_a_trial_asked_past_the_budget_by_a_racing_process_is_given_back(tmp_path: Path) -> None:
-    policy = load_policy().replace(trials=3)
+    policy = goodput_policy().replace(trials=3)
     storage = f"journal:{tmp_path}/race.journal"
     study = open_study(open_storage(storage), "race", policy)
     assert run_trials(study, CheapRunner(), policy, 2, tmp_path) == 2
@@ -259,14 +267,29 @@ def test_a_trial_asked_past_the_budget_by_a_racing_process_is_given_back(tmp_pat
     assert [r.number for r in load_study(storage, "race").rows] == [0, 1, racer.number]  # hidden on the dashboard
 
 
-def test_capacity_bisects_the_rate(tmp_path: Path) -> None:
-    runner = CheapRunner(rate=1.0)
-    # max_num_seqs=6 serves 3 req/s within the SLO: attainment >= 90% up to 3.3 req/s
-    ev = evaluate_capacity(runner, {"max_num_seqs": 6, "max_num_batched_tokens": 64, "chunk_size": 32}, tmp_path,
-                           probes=4)
-    assert [p["rate"] for p in ev.probes] == [1.0, 2.0, 4.0, 3.0]
-    assert ev.value == 3.0 and ev.outcome.feasible and ev.constraints == [0.0]
-    none = evaluate_capacity(runner, {"max_num_seqs": 64}, tmp_path, probes=2)
+@dataclass
+class RateScripted(ScriptedBackend):
+    """Serves up to ``capacity`` req/s (no stutter), then half the requests stutter."""
+
+    capacity: float = 3.0
+
+    def run(self, knobs: dict[str, Any], out_dir: Path, rate: float | None = None,
+            seed: int | None = None) -> TrialOutcome:
+        self.bad = 0.0 if (rate or 0.0) <= self.capacity else 0.5
+        return super().run(knobs, out_dir, rate, seed)
+
+
+def test_capacity_objective_searches_the_rate_and_learns_from_neighbours(tmp_path: Path) -> None:
+    spec = MeasurementSpec(max_segments=2)
+    searcher = CapacitySearcher(RateScripted(0.0), spec, ["max_num_seqs"], resolution=0.15, max_probes=8)
+    ev = evaluate_capacity(searcher, {"max_num_seqs": 6}, tmp_path / "a")
+    assert ev.capacity is not None and ev.capacity.resolved and ev.value <= 3.0 < ev.capacity.high
+    assert [p["rate"] for p in ev.probes][:3] == [1.0, 2.0, 4.0] and ev.outcome.feasible and ev.constraints == [0.0]
+    # a neighbour starts where the first config's capacity was, with a smaller step: fewer probes
+    near = evaluate_capacity(searcher, {"max_num_seqs": 8}, tmp_path / "b")
+    assert near.probes[0]["rate"] == ev.value and len(near.probes) < len(ev.probes)
+    none = evaluate_capacity(CapacitySearcher(RateScripted(0.0, capacity=0.0), spec, ["max_num_seqs"],
+                                              max_probes=3), {"max_num_seqs": 64}, tmp_path / "c")
     assert none.value == 0.0 and not none.outcome.feasible and none.constraints[0] > 0
 
 

@@ -1,6 +1,10 @@
-"""``tune``: search the engine's batching knobs for the highest goodput within a latency SLO.
+"""``tune``: search the engine's batching knobs for the config that serves the most traffic within a latency SLO
+(capacity: the highest offered rate at which >= 90 % of the requests attain it), with intervals and a paired verdict
+against the default config.
 
-    tune --slo-p99-tbt 50ms
+    tune --slo-p99-tbt 50ms                      # capacity, p99 TTFT <= 2s from the default policy
+    tune --slo-p99-tbt 50ms --slo-p99-ttft none  # no TTFT target
+    tune --slo-p99-tbt 50ms --objective goodput --rate 2   # goodput at a fixed offered load
     tune --slo-p99-tbt 80ms --slo-p99-ttft 2s --workload trace.csv --rate 2 --trials 30 --trial-duration 30s
     tune --slo-p99-tbt 50ms --engine-url http://127.0.0.1:8000 --admin-token T --apply
     tune --slo-p99-tbt 50ms --storage postgresql://u:p@db/optuna --study-name shared   # several processes
@@ -23,6 +27,13 @@ from policies import OBJECTIVES, SAMPLERS, Policy, PolicyError, load_policy
 from tuner.flags import CliError, check_workload, duration_arg
 
 PROG = "tune"
+
+
+NO_TARGET = -1.0  # --slo-p99-ttft none: drop the policy's target
+
+
+def _duration_or_none(text: str) -> float:
+    return NO_TARGET if text.strip().lower() == "none" else duration_arg(text)
 
 
 def _rate_arg(text: str) -> float | None:
@@ -51,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--slo-p99-tbt", type=duration_arg, metavar="DURATION",
                    help="p99 time-between-tokens target, e.g. 50ms (default: the policy's)")
-    p.add_argument("--slo-p99-ttft", type=duration_arg, metavar="DURATION", help="p99 time-to-first-token target")
+    p.add_argument("--slo-p99-ttft", type=_duration_or_none, metavar="DURATION|none",
+                   help="p99 time-to-first-token target (default: the policy's, 2s); none drops it")
     p.add_argument("--workload", metavar="mixed|PATH", help="mixed, or a trace (.csv Azure, .jsonl Mooncake)")
     p.add_argument("--rate", type=_rate_arg, default=argparse.SUPPRESS, metavar="R|auto",
                    help="offered load in requests/s, or auto (default: the policy's, auto)")
@@ -84,14 +96,15 @@ def policy_from_args(args: argparse.Namespace) -> Policy:
     if args.slo_p99_tbt is not None:
         slo = replace(slo, tbt_p99=args.slo_p99_tbt)
     if args.slo_p99_ttft is not None:
-        slo = replace(slo, ttft_p99=args.slo_p99_ttft)
+        slo = replace(slo, ttft_p99=None if args.slo_p99_ttft == NO_TARGET else args.slo_p99_ttft)
     changes: dict[str, Any] = {"slo": slo}
     if args.workload is not None:
         if args.workload != "mixed" and not Path(args.workload).is_file():
             raise CliError(f"argument --workload: no such file {args.workload!r} (use mixed or a trace file)")
         # a trace keeps its own lengths unless the policy scales them: the policy's scale is for the mixed default
         scale = policy.workload.length_scale if args.workload == "mixed" else 1.0
-        changes["workload"] = replace(policy.workload, name=args.workload, length_scale=scale)
+        changes["workload"] = replace(policy.workload, name=args.workload, length_scale=scale,
+                                      output_scale=policy.workload.output_scale if args.workload == "mixed" else None)
     if "rate" in args:
         changes["rate"] = args.rate
     for flag in ("trials", "trial_duration", "sampler", "objective"):

@@ -8,10 +8,8 @@ PR_SET_PDEATHSIG=SIGTERM, so the kernel stops it when its parent dies).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -23,10 +21,9 @@ from typing import Any
 
 import httpx
 
-from loadtest.runner import stop_process
+from loadtest.runner import die_with_parent, stop_process
 
 STARTUP_TIMEOUT_S = 240.0
-_PR_SET_PDEATHSIG = 1
 
 
 class EngineError(RuntimeError):
@@ -93,6 +90,12 @@ class EngineHandle:
             raise EngineError(f"{self.url}/admin/config answered {r.status_code}: {r.text[:200]}")
         return r.json()
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix block no running request holds (POST /admin/reset_prefix_cache), so a trial does
+        not ride on an earlier one's cache; returns how many blocks were dropped."""
+        r = self._request("POST", "/admin/reset_prefix_cache")
+        return int(self._admin_json(r).get("dropped_blocks", 0))
+
     def steps(self, since: int = -1) -> tuple[list[dict[str, Any]], int]:
         """Step records after step ``since`` (oldest first) and the engine's last step number."""
         r = self._request("GET", "/debug/steps", params={"since": since})
@@ -131,15 +134,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:
-    """preexec_fn of the engine: SIGTERM it when the tuner dies, even by kill -9 (Linux prctl)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
 @dataclass
 class ManagedEngine:
     """A ``slotune serve`` subprocess this tuner owns. Use as a context manager, or call start()/stop()."""
@@ -175,7 +169,7 @@ class ManagedEngine:
         with open(self.log_path, "ab") as log:  # type: ignore[arg-type]
             # the token goes by environment, not argv (other users can read argv)
             self.process = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                            stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
                                             start_new_session=True)  # Ctrl-C reaches the tuner, which stops it
         self.handle = EngineHandle(f"http://127.0.0.1:{port}", self.token)
         deadline = time.monotonic() + self.startup_timeout

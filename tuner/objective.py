@@ -6,12 +6,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import optuna
 
 from loadtest.summary import SLO
 from policies import Policy
+from tuner.capacity import Capacity, CapacitySearcher
+from tuner.trial_backend import TrialBackend
 from tuner.trial_runner import TrialOutcome, TrialRunner
 
 CONSTRAINTS_ATTR = "constraints"  # the user attr constraints_func reads (Optuna stores its result in system attrs)
@@ -74,46 +76,26 @@ class Evaluation:
     value: float
     constraints: list[float]
     probes: list[dict[str, Any]]
+    capacity: Capacity | None = None
 
 
-def evaluate_goodput(runner: TrialRunner, knobs: dict[str, Any], out_dir: Path, prune: bool = True) -> Evaluation:
-    o = runner.run(knobs, out_dir, prune=prune)
+def evaluate_goodput(runner: TrialRunner | TrialBackend, knobs: dict[str, Any], out_dir: Path,
+                     prune: bool = True) -> Evaluation:
+    o = runner.run(knobs, out_dir, prune=prune) if isinstance(runner, TrialRunner) else runner.run(knobs, out_dir)
     assert isinstance(runner.slo, SLO)
     return Evaluation(o, goodput(o), slo_constraints(o, runner.slo), [])
 
 
-def evaluate_capacity(runner: TrialRunner, knobs: dict[str, Any], out_dir: Path, probes: int = 3,
-                      on_probe: Callable[[float, TrialOutcome], None] | None = None) -> Evaluation:
-    """A short rate bisection: start at the runner's rate, double while attainment >= 90 %, else halve the
-    interval; capacity = the highest probed rate that attained (0 when none did)."""
-    assert isinstance(runner.slo, SLO)
-    lo, hi = 0.0, math.inf
-    rate = runner.rate
-    best: TrialOutcome | None = None
-    last: TrialOutcome | None = None
-    record: list[dict[str, Any]] = []
-    for i in range(probes):
-        o = runner.run(knobs, out_dir / f"probe-{i}", rate=rate)
-        att = o.summary.get("attainment") if o.summary else None
-        ok = att is not None and att >= CAPACITY_ATTAINMENT and not o.pruned  # capacity: attainment only
-        record.append({"rate": rate, "attainment": att, "dir": f"probe-{i}", "reason": o.reason})
-        if on_probe is not None:
-            on_probe(rate, o)
-        last = o
-        if ok:
-            lo, best = rate, o
-            rate = rate * 2 if math.isinf(hi) else (lo + hi) / 2
-        else:
-            hi = rate
-            if not o.summary and o.reason and o.reason.startswith("rejected"):
-                break  # the knobs themselves were refused: no rate will do
-            rate = (lo + hi) / 2 if lo > 0 else rate / 2
-    chosen = best or last
-    assert chosen is not None
-    chosen.feasible = best is not None
-    chosen.reason = None if best is not None else (
-        f"no probed rate attained {CAPACITY_ATTAINMENT:.0%} of requests (rates "
-        + ", ".join(f"{p['rate']:.3g}" for p in record) + ")")
-    constraints = [0.0 if best is not None else CAPACITY_ATTAINMENT - max(
-        (p["attainment"] or 0.0) for p in record)]
-    return Evaluation(chosen, lo, constraints, record)
+def evaluate_capacity(searcher: CapacitySearcher, knobs: dict[str, Any], out_dir: Path) -> Evaluation:
+    """The config's capacity by a rate search (tuner/capacity.py); the outcome is the last window of the measurement
+    at its capacity (feasible: some rate was shown to be served), the probes' figures go to the trial's attrs."""
+    cap = searcher.search(knobs, out_dir)
+    at = cap.at_capacity
+    assert at is not None
+    last = at.segments[-1] if at.segments else TrialOutcome(cap.knobs, {}, {}, False, at.reason, out_dir)
+    outcome = TrialOutcome(cap.knobs, last.summary, last.step_stats, cap.feasible,
+                           None if cap.feasible else (cap.rejected or f"no rate served ({cap.stopped})"),
+                           last.out_dir, simulated=last.simulated, rate=at.rate)
+    best_share = max((m.figures.attainment.value for m in cap.probes if m.figures and m.figures.requests), default=0.0)
+    constraints = [0.0 if cap.feasible else max(1e-3, CAPACITY_ATTAINMENT - best_share)]
+    return Evaluation(outcome, cap.value, constraints, [m.as_dict() for m in cap.probes], cap)

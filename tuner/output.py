@@ -63,8 +63,22 @@ def write_vllm(path: Path, knobs: dict[str, Any], model: str | None) -> str:
 
 def write_tuned_yaml(path: Path, *, knobs: dict[str, Any], slo: dict[str, Any], workload: dict[str, Any],
                      rate: float, rate_reason: str, objective: str, model: str | None, study_name: str,
-                     storage: str, tuned: optuna.trial.FrozenTrial, default: optuna.trial.FrozenTrial | None,
-                     remeasured: dict[str, Any] | None, vllm: str, report: Path, trials: int) -> None:
+                     storage: str, tuned: optuna.trial.FrozenTrial | None, default: optuna.trial.FrozenTrial | None,
+                     remeasured: dict[str, Any] | None, vllm: str, report: Path, trials: int,
+                     capacity: dict[str, Any] | None = None, evidence: dict[str, Any] | None = None) -> None:
+    """``capacity`` (the capacity objective): ``tuned`` and ``default`` with each config's capacity and its
+    interval, and the ratio; ``evidence``: the verdict's rounds, the floor. Else the goodput trials' figures."""
+    if capacity is not None:
+        doc: dict[str, Any] = {
+            "knobs": knobs, "slo": {k: v for k, v in slo.items() if v is not None},
+            "slo_text": ", ".join(f"{k} <= {format_duration(v)}" for k, v in slo.items() if v is not None),
+            "workload": workload, "objective": objective, "model": model,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "study": {"name": study_name, "storage": storage, "trials": trials},
+            **capacity, "evidence": evidence or {}, "vllm_serve": vllm, "report": str(report)}
+        _write_yaml(path, doc)
+        return
+    assert tuned is not None
     doc = {
         "knobs": knobs,
         "slo": {k: v for k, v in slo.items() if v is not None},
@@ -85,9 +99,20 @@ def write_tuned_yaml(path: Path, *, knobs: dict[str, Any], slo: dict[str, Any], 
         "vllm_serve": vllm,
         "report": str(report),
     }
+    _write_yaml(path, doc)
+
+
+def _write_yaml(path: Path, doc: dict[str, Any]) -> None:
     header = ("# Written by `tune`. Serve it with: slotune serve --config " + path.name + "\n"
               "# (only the `knobs` section is read; the rest is the evidence: SLO, workload, rate, measurements)\n")
-    path.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=120))
+    path.write_text(header + yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, width=120))
+
+
+class _PlainDumper(yaml.SafeDumper):
+    """Writes a repeated value out again instead of as a YAML alias (&id001 / *id001): a reader sees every figure."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
 
 
 def write_report(path: Path, study: optuna.Study, slo: dict[str, Any], title: str,
@@ -135,7 +160,8 @@ def write_report(path: Path, study: optuna.Study, slo: dict[str, Any], title: st
             f"<h1>{_esc(title)}</h1>{body}"
             + fig.to_html(full_html=False, include_plotlyjs=True)
             + "<h2>Trials</h2><table border=1 cellspacing=0 cellpadding=3><tr><th>#</th><th>role</th><th>knobs</th>"
-              "<th>objective</th><th>p99 TBT</th><th>p99 TTFT</th><th>attainment</th><th>feasible / why not</th></tr>"
+              "<th>objective</th><th>p99 TBT</th><th>p99 TTFT</th><th>attainment</th><th>feasible / why not</th>"
+              "<th>at capacity: figures with intervals</th></tr>"
             + rows + "</table></body></html>")
     path.write_text(html, encoding="utf-8")
 
@@ -159,9 +185,11 @@ def _hover(t: optuna.trial.FrozenTrial) -> str:
 def _row(t: optuna.trial.FrozenTrial) -> str:
     s = t.user_attrs.get("summary") or {}
     att = s.get("attainment")
+    cap = t.user_attrs.get("capacity") or {}
     cells = [t.number, t.user_attrs.get("role", "search"), short_knobs(t.user_attrs.get("knobs", {})),
-             f"{t.values[0]:.3f}", format_duration(s.get("tbt_p99")), format_duration(s.get("ttft_p99")),
-             "-" if att is None else f"{att:.0%}", "yes" if feasible(t) else t.user_attrs.get("reason")]
+             cap.get("describe") or f"{t.values[0]:.3f}", format_duration(s.get("tbt_p99")),
+             format_duration(s.get("ttft_p99")), "-" if att is None else f"{att:.0%}",
+             "yes" if feasible(t) else t.user_attrs.get("reason"), cap.get("at_capacity") or ""]
     return "<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in cells) + "</tr>"
 
 

@@ -91,6 +91,8 @@ class TuneSession:
         except ValueError as error:
             print(f"{PROG}: error: argument --study-name: {error}", file=sys.stderr)
             return 2
+        if p.objective == "capacity":
+            return self.run_capacity(study, runner, model)
         rate, rate_reason = self.choose_rate(study, runner)
         runner.rate = rate
         attrs = {"slo": p.slo.as_dict(), "workload": p.workload.as_dict(), "rate": rate, "rate_reason": rate_reason,
@@ -113,6 +115,24 @@ class TuneSession:
             print(f"{PROG}: error: {error}", file=sys.stderr)
             return 1
         return self.finish(study, runner, model, rate, rate_reason)
+
+    def run_capacity(self, study: optuna.Study, runner: TrialRunner, model: str | None) -> int:
+        """The default objective: capacity per config, the paired verdict (tuner/capacity_run.py)."""
+        from tuner.capacity_run import CapacityRun
+
+        p = self.policy
+        for k, v in {"slo": p.slo.as_dict(), "workload": p.workload.as_dict(), "objective": p.objective,
+                     "model": model, "policy": p.to_dict()}.items():
+            study.set_user_attr(k, v)
+        recovered = recover_orphans(study)
+        if recovered:
+            say(f"{PROG}: trial(s) {', '.join(map(str, recovered))} of a run that died are marked failed and redone")
+        enqueue_default(study)
+        try:
+            return CapacityRun(self, runner, study, model).run()
+        except EngineError as error:
+            print(f"{PROG}: error: {error}", file=sys.stderr)
+            return 1
 
     def screen(self, study: optuna.Study, runner: TrialRunner) -> None:
         """--screen N: the simulator screens N configs and enqueues the best few into the study, whose next trials

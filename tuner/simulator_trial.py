@@ -19,6 +19,7 @@ from loadtest.summary import SLO, write_summary
 from policies import WorkloadSpec
 from tuner.simulator import DEFAULT_LIMITS, SimResult, StepTimer, simulate_load
 from tuner.step_stats import step_stats
+from tuner.trial_backend import load_config_for
 from tuner.trial_runner import TRIAL_FORMAT, TrialOutcome, feasibility
 
 
@@ -61,26 +62,20 @@ class SimTrialRunner:
         if isinstance(self.workload, str):
             self.workload = WorkloadSpec(name=self.workload)
 
-    def load_config(self, rate: float) -> LoadConfig:
-        w = self.workload
-        assert isinstance(w, WorkloadSpec)
-        extra: dict[str, Any] = {}
-        if w.mix:
-            extra["mix"] = w.mix
-        if w.mix_weights:
-            extra["mix_weights"] = w.mix_weights
-        return LoadConfig(workload=w.name, rate=rate, duration=self.warmup + self.duration,
-                          length_scale=w.length_scale, time_scale=w.time_scale, max_context=w.max_context,
-                          seed=self.seed, slo_p99_tbt=self.slo.tbt_p99, slo_p99_ttft=self.slo.ttft_p99,
-                          slo_p99_e2e=self.slo.e2e_p99, drain_timeout=self.drain_timeout,
-                          request_timeout=max(30.0, self.drain_timeout), **extra)
+    simulated = True
 
-    def run(self, knobs: dict[str, Any], out_dir: Path | None = None, rate: float | None = None) -> TrialOutcome:
-        """Simulate one trial; with ``out_dir`` also write its trial folder. A config the engine would reject is
-        an infeasible trial with the engine's reason."""
+    def load_config(self, rate: float, seed: int | None = None) -> LoadConfig:
+        assert isinstance(self.workload, WorkloadSpec)
+        return load_config_for(self.workload, self.slo, rate, self.warmup + self.duration,
+                               self.seed if seed is None else seed, self.drain_timeout)
+
+    def run(self, knobs: dict[str, Any], out_dir: Path | None = None, rate: float | None = None,
+            seed: int | None = None) -> TrialOutcome:
+        """Simulate one trial on arrival draw ``seed`` (default: the runner's); with ``out_dir`` also write its trial
+        folder. A config the engine would reject is an infeasible trial with the engine's reason."""
         rate = self.rate if rate is None else rate
         full = {**EngineConfig().knobs(), **self.base_knobs, **knobs}
-        cfg = self.load_config(rate)
+        cfg = self.load_config(rate, seed)
         try:
             result, summary = simulate_load(cfg, full, self.timer, limits=self.limits, slo=self.slo,
                                             window=(self.warmup, self.warmup + self.duration))

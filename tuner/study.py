@@ -27,8 +27,10 @@ from loadtest.summary import SLO
 from policies import Policy
 from tuner.objective import (CONSTRAINTS_ATTR, Evaluation, constraints_func, evaluate_capacity, evaluate_goodput,
                              meets_constraints, suggest_knobs)
+from tuner.capacity import CapacitySearcher, capacity_searcher
 from tuner.samplers import ROLE_DEFAULT, SamplerWithoutDefaultTrial
 from tuner.structured_start import enqueue_start, startup_trials
+from tuner.trial_backend import TrialBackend
 from tuner.trial_runner import TrialOutcome, TrialRunner, check_stop
 
 DEFAULT_STORAGE = "sqlite:///tune-study.db"
@@ -274,8 +276,8 @@ class TrialReport:
     probes: list[dict[str, Any]] = field(default_factory=list)
 
 
-def run_trials(study: optuna.Study, runner: TrialRunner, policy: Policy, n_trials: int, out_dir: Path,
-               on_trial: Callable[[TrialReport], None] | None = None, capacity_probes: int = 3,
+def run_trials(study: optuna.Study, runner: TrialRunner | TrialBackend, policy: Policy, n_trials: int, out_dir: Path,
+               on_trial: Callable[[TrialReport], None] | None = None, searcher: CapacitySearcher | None = None,
                deadline: float | None = None, max_runs: int | None = None) -> int:
     """Ask/run/tell until the study holds ``n_trials`` counted trials (or ``deadline``, a time.monotonic(), passes,
     or this call has run ``max_runs``); returns how many this process ran."""
@@ -301,7 +303,8 @@ def run_trials(study: optuna.Study, runner: TrialRunner, policy: Policy, n_trial
         try:
             with Heartbeat(trial):
                 if policy.objective == "capacity":
-                    ev: Evaluation = evaluate_capacity(runner, knobs, trial_dir, capacity_probes)
+                    ev: Evaluation = evaluate_capacity(searcher or capacity_searcher(runner, policy), knobs,
+                                                       trial_dir)
                 else:
                     # the default config is the baseline of the report: measured over the whole window
                     ev = evaluate_goodput(runner, knobs, trial_dir, prune=role != ROLE_DEFAULT)
@@ -314,6 +317,8 @@ def run_trials(study: optuna.Study, runner: TrialRunner, policy: Policy, n_trial
                  "pruned": o.pruned, "rate": o.rate, CONSTRAINTS_ATTR: ev.constraints}
         if ev.probes:
             attrs["capacity_probes"] = ev.probes
+        if ev.capacity is not None:
+            attrs["capacity"] = ev.capacity.as_dict()
         for k, v in attrs.items():
             trial.set_user_attr(k, _jsonable(v))
         if policy.sampler in ("random", "grid"):  # samplers without constraints_func: store them as the others do

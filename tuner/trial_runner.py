@@ -16,6 +16,7 @@ early (pruned) and recorded as infeasible. The engine is reached only over HTTP;
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import threading
@@ -34,6 +35,7 @@ from policies import PruningSpec, SLOTargets, WorkloadSpec
 from tuner.engine_handle import ConfigRejected, EngineError, EngineHandle, ManagedEngine
 from tuner.pruning import PruneWatcher, itl_buckets
 from tuner.step_stats import step_stats
+from tuner.trial_backend import load_config_for
 
 __all__ = ["TrialOutcome", "TrialRunner", "step_stats", "TRIAL_FORMAT", "feasibility"]
 
@@ -101,6 +103,7 @@ class TrialRunner:
     drain_timeout: float = 10.0
     idle_timeout: float = 60.0
     realtime: bool = True  # the load generator keeps its schedule while the engine saturates the CPUs
+    generator_cpus: tuple[int, ...] | None = None  # keep the load generator to these cores (tuner/floor.py)
     base_knobs: dict[str, Any] | None = None  # the config a trial's knobs are laid over (default: the engine's now)
     on_progress: Callable[[dict[str, Any]], None] | None = None
 
@@ -118,27 +121,20 @@ class TrialRunner:
             return self.engine.handle
         return self.engine
 
-    def load_config(self, rate: float, out_dir: Path) -> LoadConfig:
-        w = self.workload
-        assert isinstance(w, WorkloadSpec) and isinstance(self.slo, SLO)
-        extra: dict[str, Any] = {}
-        if w.mix:
-            extra["mix"] = w.mix
-        if w.mix_weights:
-            extra["mix_weights"] = w.mix_weights
-        return LoadConfig(url=self.handle.url, workload=w.name, rate=rate, duration=self.warmup + self.duration,
-                          length_scale=w.length_scale, time_scale=w.time_scale, max_context=w.max_context,
-                          trace_offset=w.trace_offset, seed=self.seed, slo_p99_tbt=self.slo.tbt_p99,
-                          slo_p99_ttft=self.slo.ttft_p99, slo_p99_e2e=self.slo.e2e_p99,
-                          drain_timeout=self.drain_timeout,
-                          request_timeout=max(30.0, self.drain_timeout), out=str(out_dir), **extra)
+    simulated = False
+
+    def load_config(self, rate: float, out_dir: Path, seed: int | None = None) -> LoadConfig:
+        assert isinstance(self.workload, WorkloadSpec) and isinstance(self.slo, SLO)
+        return load_config_for(self.workload, self.slo, rate, self.warmup + self.duration,
+                               self.seed if seed is None else seed, self.drain_timeout, url=self.handle.url,
+                               out=str(out_dir))
 
     # ------------------------------------------------------------------------------------------------ trial
 
-    def run(self, knobs: dict[str, Any], out_dir: Path, rate: float | None = None,
-            prune: bool = True) -> TrialOutcome:
-        """Measure ``knobs`` (laid over the base config) at ``rate`` (default: the runner's); ``prune=False``
-        measures the whole window even when the SLO is lost (a baseline)."""
+    def run(self, knobs: dict[str, Any], out_dir: Path, rate: float | None = None, seed: int | None = None,
+            prune: bool = False) -> TrialOutcome:
+        """Measure ``knobs`` (laid over the base config) at ``rate`` (default: the runner's) on arrival draw ``seed``
+        (default: the runner's); ``prune=True`` stops a window whose p99 TBT is already lost (goodput objective)."""
         rate = self.rate if rate is None else rate
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -146,7 +142,7 @@ class TrialRunner:
             (out_dir / name).unlink(missing_ok=True)
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         full = {**(self.base_knobs or {}), **knobs}
-        outcome = self._run(full, out_dir, rate, prune)
+        outcome = self._run(full, out_dir, rate, prune, seed)
         self._write_trial(outcome, started_at)
         return outcome
 
@@ -170,11 +166,15 @@ class TrialRunner:
                 return None
         raise EngineError(f"the engine at {self.handle.url} is not answering /health")
 
-    def _run(self, knobs: dict[str, Any], out_dir: Path, rate: float, prune: bool) -> TrialOutcome:
+    def _run(self, knobs: dict[str, Any], out_dir: Path, rate: float, prune: bool,
+             seed: int | None) -> TrialOutcome:
         check_stop()
         self._ensure_engine()
         if not self.handle.wait_idle(self.idle_timeout):
             return self._fail(knobs, out_dir, rate, f"the engine did not become idle within {self.idle_timeout:.0f}s")
+        # the step to read on from: taken while idle, before the config change and the reset (the window's steps
+        # are then picked by their start times)
+        first_step = int((self.handle.health() or {}).get("last_step", -1))
         try:
             applied = self.handle.patch_config(knobs)
         except ConfigRejected as error:
@@ -182,16 +182,23 @@ class TrialRunner:
         except EngineError as error:
             return self._fail(knobs, out_dir, rate, f"could not apply the knobs: {error}")
         knobs = dict(applied)
-        first_step = int((self.handle.health() or {}).get("last_step", -1))
-        cfg = self.load_config(rate, out_dir)
+        try:  # every trial starts from the same state: no prefix block of an earlier trial survives
+            self.handle.reset_prefix_cache()
+        except EngineError as error:
+            return self._fail(knobs, out_dir, rate, f"could not reset the prefix cache: {error}")
+        cfg = self.load_config(rate, out_dir, seed)
         assert isinstance(self.slo, SLO)
         watcher = PruneWatcher(self.slo.tbt_p99, self.pruning, self.duration) \
             if prune and self.pruning is not None and self.pruning.enabled and self.slo.tbt_p99 else None
         stopped: dict[str, float] = {}
+        itl: dict[str, dict[float, float]] = {}
 
         def progress(p: dict[str, Any]) -> None:
             if self.on_progress is not None:
                 self.on_progress(p)
+            elapsed_s = float(p.get("elapsed_s", 0.0))
+            if "start" not in itl and elapsed_s >= self.warmup:
+                itl["start"] = self._itl_snapshot()  # the engine's inter-token histogram as the window opens
             if STOP.is_set():
                 _stop_locust()  # tune is stopping: end the load test now
                 return
@@ -206,7 +213,7 @@ class TrialRunner:
 
         load_error = None
         try:
-            run_summary = run_loadtest(cfg, on_progress=progress, realtime=self.realtime,
+            run_summary = run_loadtest(cfg, on_progress=progress, realtime=self.realtime, cpus=self.generator_cpus,
                                        timeout=60.0 + cfg.duration + self.drain_timeout + 30.0)
         except LoadTestError as error:
             load_error = str(error).splitlines()[0]
@@ -214,6 +221,7 @@ class TrialRunner:
         if run_summary is not None and "interrupted" in run_summary.get("warnings", []):
             raise KeyboardInterrupt  # the runner stopped Locust on Ctrl-C; the study must stop too
         check_stop()
+        itl["end"] = self._itl_snapshot()
         engine_note = None
         try:
             engine_note = self._ensure_engine()
@@ -231,6 +239,7 @@ class TrialRunner:
         summary = summarize(str(records_path), slo=self.slo, window=(self.warmup, max(end, self.warmup + 1e-3)),
                             meta={k: v for k, v in run_summary.items() if k != "warnings"},
                             lag_warn=cfg.lag_warn)
+        summary["engine_itl_p99"] = engine_itl_p99(itl.get("start", {}), itl["end"])
         write_summary(str(out_dir / "summary.json"), summary)
         t0 = float(run_summary.get("start_time") or 0.0)
         steps = self._window_steps(first_step, t0 + self.warmup, t0 + end)
@@ -242,6 +251,12 @@ class TrialRunner:
             return TrialOutcome(knobs, summary, stats, False, watcher.reason, out_dir, pruned=True, rate=rate)
         reason = feasibility(summary, self.slo)
         return TrialOutcome(knobs, summary, stats, reason is None, reason, out_dir, rate=rate)
+
+    def _itl_snapshot(self) -> dict[float, float]:
+        try:
+            return itl_buckets(self.handle.metrics_text())
+        except EngineError:
+            return {}
 
     def _window_steps(self, first_step: int, start: float, end: float) -> list[dict[str, Any]]:
         try:
@@ -261,6 +276,20 @@ class TrialRunner:
                  "started_at": started_at, "simulated": o.simulated, "pruned": o.pruned,
                  "duration": self.duration, "warmup": self.warmup}
         (o.out_dir / "trial.json").write_text(json.dumps(trial, indent=2) + "\n")
+
+
+def engine_itl_p99(before: dict[float, float], after: dict[float, float]) -> float | None:
+    """The engine-side p99 inter-token latency between two histogram snapshots: the upper bound of the bucket
+    that holds the 99th percentile (None without gaps). Beside the client-side p99 it shows what the load
+    generator adds."""
+    bounds = sorted(after)
+    total = after.get(math.inf, 0.0) - before.get(math.inf, 0.0)
+    if total <= 0:
+        return None
+    for b in bounds:
+        if after[b] - before.get(b, 0.0) >= 0.99 * total:
+            return b if math.isfinite(b) else None
+    return None
 
 
 def _stop_locust() -> None:

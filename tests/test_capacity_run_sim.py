@@ -1,0 +1,67 @@
+"""The whole capacity flow of `tune` (floor, the default config's rate search, the screen, the searches of the best
+configs, the paired verdict, tuned.yaml) on the simulator standing in for the engine: deterministic, in seconds."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loadtest.summary import SLO
+from policies import load_policy
+from tuner.capacity_run import CapacityRun
+from tuner.cli import build_parser
+from tuner.session import TuneSession
+from tuner.simulator_cli import limits_of, profile_path
+from tuner.simulator_trial import SimTrialRunner
+from tuner.step_time_model import StepTimeModel
+from tuner.study import enqueue_default, open_storage, open_study
+
+
+def run_on_the_simulator(tmp_path: Path, tbt: float, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    policy = load_policy().replace(trials=3)
+    policy = policy.replace(slo=policy.slo.__class__(tbt_p99=tbt, ttft_p99=2.0))
+    args = build_parser().parse_args(["--out", str(tmp_path / "out" / "tuned.yaml")])
+    storage = open_storage(f"sqlite:///{tmp_path}/study.db")
+    session = TuneSession(args, policy, storage, None)
+    model = StepTimeModel.load(profile_path(None))
+    sim = SimTrialRunner(model, limits=limits_of(model), workload=policy.workload, duration=policy.trial_duration,
+                         warmup=policy.warmup, slo=SLO(tbt, 2.0), seed=policy.seed)
+    study = open_study(storage, session.study_name, policy)
+    enqueue_default(study)
+    rc = CapacityRun(session, sim, study, "sim").run()
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_the_capacity_flow_on_the_simulator_writes_capacities_intervals_and_a_verdict(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run_on_the_simulator(tmp_path, 0.050, capsys)
+    assert rc == 0, out
+    assert "floor: batch-1 p99 TBT" in out and "screened" in out
+    assert re.search(r"\[1/3\] #0 default config \| capacity [\d.]+ req/s \(bracket ", out), out
+    assert re.search(r"round 2: default ", out), out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(("tuned serves ", "no config beats the default beyond the noise")), last
+    assert "p99 TBT <= 50ms and p99 TTFT <= 2.00s" in last
+    doc = yaml.safe_load((tmp_path / "out" / "tuned.yaml").read_text())
+    assert doc["objective"] == "capacity" and doc["evidence"]["verdict_line"] == last
+    for side in ("tuned", "default"):
+        cap = doc[side]["capacity_req_per_s"]
+        assert {"value", "low", "high", "level", "n"} <= set(cap) and len(doc[side]["rounds_req_per_s"]) >= 2
+    if last.startswith("tuned serves"):
+        ratio = doc["tuned"]["ratio_to_default"]
+        assert ratio["low"] > 1.0 and not doc["evidence"]["tuned_is_default"] and doc["evidence"]["held"]
+    confirmed = doc["evidence"]["confirmed"]
+    assert confirmed and all(row["predicted"] is not None for row in confirmed)
+    assert "&id" not in (tmp_path / "out" / "tuned.yaml").read_text()
+    assert (tmp_path / "out" / "tuned.html").exists()
+
+
+def test_an_slo_below_the_simulated_floor_stops_before_searching(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run_on_the_simulator(tmp_path, 0.001, capsys)
+    assert rc == 1 and "below this machine's floor" in err
+    assert not (tmp_path / "out" / "tuned.yaml").exists()

@@ -1,0 +1,283 @@
+"""The measurement's stopping rule, the capacity search and the paired verdict, on scripted trials with known
+answers (no engine: each scripted trial writes a real trial folder of records that the measurement reads back)."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from loadtest.records import RequestRecord, write_records
+from loadtest.summary import SLO, summarize
+from tuner.capacity import knob_distance, next_rate, search_capacity, start_from_known
+from tuner.measurement import Figures, Measurement, MeasurementSpec, figures, measure, should_stop
+from tuner.statistics import Interval, Verdict
+from tuner.trial_runner import TrialOutcome
+from tuner.verdict import Contender, paired_verdict, verdict_line
+
+SLO_50MS = SLO(tbt_p99=0.050, ttft_p99=2.0)
+
+
+@dataclass
+class ScriptedBackend:
+    """Each trial: ``requests`` requests of 20 tokens; a share ``bad`` of them stutter (100 ms gaps, so they do not
+    attain), the others keep 10-30 ms gaps."""
+
+    bad: float
+    requests: int = 40
+    slo: SLO = SLO_50MS
+    simulated: bool = True
+    calls: list[int] = field(default_factory=list)
+
+    def run(self, knobs: dict[str, Any], out_dir: Path, rate: float | None = None,
+            seed: int | None = None) -> TrialOutcome:
+        rng = np.random.default_rng(seed)
+        self.calls.append(int(seed or 0))
+        recs = []
+        for i in range(self.requests):
+            at = i * 0.5
+            stutter = rng.random() < self.bad
+            gaps = np.full(19, 0.100) if stutter else rng.uniform(0.010, 0.030, 19)
+            first = at + 0.2
+            times = list(first + np.concatenate([[0.0], np.cumsum(gaps)]))
+            recs.append(RequestRecord(index=i, scheduled_at=at, intended_send_time=at, actual_send_time=at,
+                                      output_tokens=20, ttft=0.2, token_times=times, finish_time=times[-1]))
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        write_records(str(Path(out_dir) / "records.parquet"), recs)
+        window = (0.0, self.requests * 0.5)
+        summary = summarize(recs, self.slo, window=window)
+        return TrialOutcome(dict(knobs), summary, {}, True, None, Path(out_dir), simulated=True, rate=rate)
+
+
+def run_measurement(bad: float, tmp_path: Path, segments: int = 4) -> tuple[Measurement, ScriptedBackend]:
+    backend = ScriptedBackend(bad)
+    m = measure(backend, {"max_num_seqs": 4}, 2.0, tmp_path, draw=3, spec=MeasurementSpec(max_segments=segments))
+    return m, backend
+
+
+def test_a_clear_case_stops_after_one_window(tmp_path: Path) -> None:
+    met, backend = run_measurement(0.0, tmp_path / "met")
+    assert met.verdict == "met" and len(met.segments) == 1 and backend.calls == [3000]
+    # 40 requests cannot bound a p99 TTFT from above (368 can): it stays undecided without holding the window open
+    assert met.figures is not None and met.figures.verdicts == {"attainment": "met", "tbt_p99": "met",
+                                                                "ttft_p99": "undecided"}
+    missed, _ = run_measurement(0.5, tmp_path / "missed")
+    assert missed.verdict == "missed" and len(missed.segments) == 1
+
+
+def test_a_borderline_case_extends_to_the_cap_and_says_undecided(tmp_path: Path) -> None:
+    # 10 % of requests stutter: attainment ~90 %, right at the target share; the pooled p99 TBT (gaps of 100 ms
+    # make up ~10 % of all gaps) is clearly above 50 ms but attainment decides feasibility
+    m, backend = run_measurement(0.1, tmp_path, segments=4)
+    assert len(m.segments) == 4 and backend.calls == [3000, 3001, 3002, 3003]  # a fresh arrival draw per window
+    assert m.figures is not None and m.figures.requests == 160
+    assert m.figures.attainment.low < 0.9 < m.figures.attainment.high
+    assert m.verdict == "undecided" and "undecided" in m.describe()
+
+
+def test_a_p99_from_too_few_gaps_is_never_decided() -> None:
+    recs = [RequestRecord(index=i, ttft=0.1, token_times=[0.1, 0.11, 0.12]) for i in range(60)]
+    f = figures(recs, SLO_50MS, MeasurementSpec(min_gaps=400))
+    assert f.gaps == 120 and f.verdicts["tbt_p99"] == "undecided" and not should_stop(f)
+    unfinished = [RequestRecord(index=i, status="unfinished") for i in range(5)]
+    g = figures(recs + unfinished, SLO_50MS)
+    assert g.attaining == 60 and g.ttft_p99.high == math.inf  # no first token: an infinite TTFT
+
+
+def scripted_measurement(rate: float, verdict: Verdict) -> Measurement:
+    iv = Interval(0.9, 0.8, 1.0, 0.95, 50)
+    f = Figures(50, 45, 1000, iv, iv, iv, {"attainment": verdict})
+    return Measurement({"max_num_seqs": 4}, rate, f)
+
+
+def truth(capacity: float, edge: float = 0.04) -> Any:
+    def probe(rate: float) -> Measurement:
+        v: Verdict = "met" if rate <= capacity * (1 - edge) else "missed" if rate >= capacity * (1 + edge) \
+            else "undecided"
+        return scripted_measurement(rate, v)
+    return probe
+
+
+@pytest.mark.parametrize("capacity", [0.3, 1.0, 3.7, 11.0])
+def test_the_rate_search_brackets_the_capacity_up_or_down_to_its_resolution(capacity: float) -> None:
+    cap = search_capacity(truth(capacity), {"max_num_seqs": 4}, start=1.0, resolution=0.15, max_probes=12)
+    assert cap.resolved, cap.as_dict()
+    assert cap.low <= capacity * 1.04 and capacity * 0.96 <= cap.high
+    assert cap.high / cap.low <= 1.15 + 1e-9 and cap.interval.low == cap.low and cap.interval.high == cap.high
+
+
+def test_a_config_that_serves_nothing_has_capacity_zero_and_a_rejected_one_stops_at_once() -> None:
+    cap = search_capacity(truth(0.001), {}, start=1.0, max_probes=20)
+    assert not cap.feasible and cap.value == 0.0 and "lowest rate" in cap.stopped
+    rejected = Measurement({}, 1.0, None, reason="rejected by the engine: chunk_size > max_num_batched_tokens")
+    cap2 = search_capacity(lambda r: rejected, {}, start=1.0, max_probes=6)
+    assert len(cap2.probes) == 1 and cap2.rejected
+
+
+def test_known_neighbours_start_the_search_near_their_capacity() -> None:
+    names = ["max_num_seqs", "chunk_size"]
+    known = [({"max_num_seqs": 4, "chunk_size": 16}, 2.0, 2.2), ({"max_num_seqs": 64, "chunk_size": 16}, 0.5, 0.6)]
+    assert start_from_known({"max_num_seqs": 8, "chunk_size": 16}, known, names, 1.0) == (2.0, 1.5)
+    assert start_from_known({"max_num_seqs": 8}, [], names, 1.0) == (1.0, 2.0)
+    assert knob_distance({"max_num_seqs": 4}, {"max_num_seqs": 16}, ["max_num_seqs"]) == 2.0
+    cap = search_capacity(truth(2.1), {}, start=2.0, step=1.5, resolution=0.15, max_probes=8)
+    assert cap.resolved and len(cap.probes) <= 4
+    assert next_rate(0.0, math.inf, 1.0, 2.0) == 1.0 and next_rate(1.0, 4.0, 1.0, 2.0) == 2.0
+
+
+def crn_round_capacity(capacities: dict[str, float], sigma_draw: float = 0.15, sigma_own: float = 0.03) -> Any:
+    """A round's capacity: the true one times a factor shared by every config on that draw (the arrival draw's
+    luck) and a small factor of its own."""
+    def round_capacity(c: Contender, draw: int) -> tuple[float, float, float]:
+        shared = np.random.default_rng([draw]).normal(0.0, sigma_draw)
+        own = np.random.default_rng([draw, zlib.crc32(c.name.encode())]).normal(0.0, sigma_own)
+        cap = capacities[c.name] * math.exp(shared + own)
+        return cap, cap * 1.15, 100.0
+    return round_capacity
+
+
+def test_the_paired_verdict_finds_no_difference_between_two_draws_of_one_config() -> None:
+    # two copies of one config: over many verdicts, "better" or "worse" at most about as often as the level allows
+    # (each verdict looks after every round: the per-look level keeps the overall error near 5 %)
+    wrong = 0
+    verdicts = 60
+    for first in range(0, 1000 * verdicts, 1000):
+        d = Contender("default", {"max_num_seqs": 64}, 2.0)
+        same = Contender("candidate 1", {"max_num_seqs": 64}, 2.0)
+        r = paired_verdict(d, [same], crn_round_capacity({"default": 2.0, "candidate 1": 2.0}), max_rounds=6,
+                           first_draw=first)
+        if r.winner is not None or not r.ratio(same).contains(1.0):
+            wrong += 1
+        else:
+            assert "no config beats the default beyond the noise" in verdict_line(r, "p99 TBT <= 50ms")
+    assert wrong / verdicts <= 0.10, wrong
+
+
+def test_the_paired_verdict_names_the_better_config_and_stops_early() -> None:
+    d = Contender("default", {"max_num_seqs": 64}, 2.0)
+    worse = Contender("candidate 2", {"max_num_seqs": 1}, 1.0)
+    better = Contender("candidate 1", {"max_num_seqs": 8}, 3.0)
+    r = paired_verdict(d, [better, worse], crn_round_capacity({"default": 2.0, "candidate 1": 3.0,
+                                                               "candidate 2": 1.0}), max_rounds=8)
+    assert r.winner is better and len(d.rounds) < 8  # the shared draw noise cancels: decided in a few rounds
+    ratio = r.ratio(better)
+    assert ratio.low > 1.0 and ratio.contains(1.5)
+    line = verdict_line(r, "p99 TBT <= 50ms and p99 TTFT <= 2s")
+    assert line.startswith("tuned serves ") and "x (" in line and "the default config's" in line
+    # order alternates between rounds: the default first in round 1, last in round 2
+    assert r.as_dict()["winner"] == "candidate 1"
+
+
+def test_the_verdict_stops_when_the_budget_would_be_exceeded() -> None:
+    t = [0.0]
+
+    def clock() -> float:
+        return t[0]
+
+    def slow_round(c: Contender, draw: int) -> tuple[float, float, float]:
+        t[0] += 50.0
+        cap = 2.0 * (1.0 + 0.3 * ((draw + len(c.name)) % 3))
+        return cap, cap * 1.15, 100.0
+
+    d = Contender("default", {}, 2.0)
+    c = Contender("candidate 1", {}, 2.0)
+    r = paired_verdict(d, [c], slow_round, max_rounds=10, budget_s=250.0, clock=clock)
+    assert "time budget" in r.stopped and len(d.rounds) == len(c.rounds) < 10
+
+
+def test_on_the_simulator_the_capacity_bracket_separates_served_from_not_served_rates(tmp_path: Path) -> None:
+    from policies import WorkloadSpec
+    from tuner.simulator_cli import limits_of, profile_path
+    from tuner.simulator_trial import SimTrialRunner
+    from tuner.step_time_model import StepTimeModel
+
+    model = StepTimeModel.load(profile_path(None))
+    sim = SimTrialRunner(model, limits=limits_of(model), workload=WorkloadSpec("mixed", 0.125, output_scale=1.0),
+                         duration=15.0, warmup=3.0, slo=SLO_50MS)
+    spec = MeasurementSpec(max_segments=3, window_s=15.0)
+    knobs = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "chunk_size": 16}
+
+    def probe(rate: float) -> Measurement:
+        return measure(sim, knobs, rate, tmp_path / f"{rate:.4f}", 0, spec)
+
+    cap = search_capacity(probe, knobs, start=1.0, resolution=0.15, max_probes=8)
+    assert cap.feasible and math.isfinite(cap.high) and cap.high > cap.low
+    assert all(m.verdict == "met" for m in cap.probes if m.rate <= cap.low)
+    assert all(m.verdict != "met" for m in cap.probes if m.rate >= cap.high)
+    at = cap.at_capacity
+    assert at is not None and at.figures is not None and at.figures.attainment.low >= 0.9
+    # common random numbers: two configs on one draw see the same arrivals
+    a = measure(sim, knobs, 1.0, tmp_path / "a", 7, MeasurementSpec(max_segments=1))
+    b = measure(sim, {"max_num_seqs": 2}, 1.0, tmp_path / "b", 7, MeasurementSpec(max_segments=1))
+    from tuner.measurement import window_records
+    sent_a = [r.intended_send_time - window_records(a.segments[0])[0].intended_send_time
+              for r in window_records(a.segments[0])]
+    sent_b = [r.intended_send_time - window_records(b.segments[0])[0].intended_send_time
+              for r in window_records(b.segments[0])]
+    assert sent_a == pytest.approx(sent_b)
+
+
+def test_the_cap_grows_at_low_rates_so_a_window_can_hold_enough_requests() -> None:
+    from tuner.measurement import fewest_requests_to_show
+
+    assert fewest_requests_to_show(0.9, 0.95) == 36
+    spec = MeasurementSpec(max_segments=3, window_s=15.0)
+    assert spec.segments_at(4.0) == 3 and spec.segments_at(1.0) == 4 and spec.segments_at(0.1) == 9
+
+
+def test_the_floor_keeps_the_least_disturbing_arrangement_and_flags_an_slo_below_it(tmp_path: Path) -> None:
+    from tuner.arrangement import NORMAL, REALTIME, SEPARATE, Arrangement
+    from tuner.floor import measure_floor
+
+    @dataclass
+    class Disturbed(ScriptedBackend):
+        """Gaps of 10-30 ms plus what the arrangement adds (here: real-time priority adds most)."""
+
+        added: float = 0.0
+
+        def run(self, knobs: dict[str, Any], out_dir: Path, rate: float | None = None,
+                seed: int | None = None) -> TrialOutcome:
+            o = super().run(knobs, out_dir, rate, seed)
+            from loadtest.records import read_records
+            recs = read_records(str(Path(out_dir) / "records.parquet"))
+            for r in recs:  # stretch every gap by the arrangement's disturbance
+                t0 = r.token_times[0]
+                r.token_times = [t0 + (t - t0) + i * self.added for i, t in enumerate(r.token_times)]
+            write_records(str(Path(out_dir) / "records.parquet"), recs)
+            return o
+
+    backend = Disturbed(0.0)
+    added = {"realtime": 0.030, "normal": 0.010, "separate": 0.002}
+
+    def arrange(a: Arrangement) -> None:
+        backend.added = added[a.name]
+
+    floor, _ = measure_floor(backend, tmp_path, spec=MeasurementSpec(min_gaps=400, max_segments=2),
+                             arrangements=[REALTIME, NORMAL, SEPARATE], arrange=arrange)
+    assert floor.arrangement == SEPARATE.describe() and backend.added == 0.002  # kept applied
+    assert set(floor.by_arrangement) == {"realtime", "normal", "separate"}
+    assert floor.tbt_p99_batch1.value == pytest.approx(0.032, abs=0.002)
+    assert not floor.below(SLO(tbt_p99=0.050)) and floor.below(SLO(tbt_p99=0.020))
+    assert "separate" in floor.describe() or "core of its own" in floor.describe()
+    assert (tmp_path / "floor.json").exists()
+    # arrangements within the noise of each other: the first (the default) is kept
+    added.update(realtime=0.002, normal=0.0021, separate=0.0019)
+    again, _ = measure_floor(backend, tmp_path / "again", spec=MeasurementSpec(min_gaps=400, max_segments=2),
+                             arrangements=[REALTIME, NORMAL, SEPARATE], arrange=arrange)
+    assert again.arrangement == REALTIME.describe() and backend.added == 0.002
+
+
+def test_a_default_that_serves_nothing_reports_capacity_zero_and_the_ratio_errs_low() -> None:
+    d = Contender("default", {}, 1.0)
+    c = Contender("candidate 1", {}, 2.0)
+    r = paired_verdict(d, [c], lambda x, draw: (0.0, 1.0, None) if x is d else (2.0 + 0.01 * (draw % 3), 2.3, 80.0),
+                       max_rounds=3)
+    assert d.capacity().value == 0.0 and d.capacity().high == 1.0
+    ratio = r.ratio(c)
+    assert ratio.value == pytest.approx(2.0, rel=0.05)  # against the default's ceiling: a bound from below
+    assert r.winner is c

@@ -1,0 +1,201 @@
+"""Capacity: the highest offered rate at which a config serves >= 90 % of its requests within the SLO, found by a
+rate search that brackets it and bisects the bracket to a stated resolution.
+
+The bracket is (low, high): ``low`` the highest rate a measurement showed served ("met"), ``high`` the lowest rate
+it did not (missed, or undecided: not shown to serve; an undecided rate is where noise decides, the edge). The
+search starts where what is known puts it (a neighbouring config's capacity, a simulator's prediction, the same
+config's earlier bracket), grows or shrinks by ``step`` until both sides are found, going down as well as up, then
+bisects geometrically until ``high / low <= 1 + resolution`` or the probes run out. The capacity is ``low``, with
+the bracket as its interval: the figure a loadtest at that rate can check.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from policies import Policy
+from tuner.measurement import TARGET_SHARE, Measurement, MeasurementSpec, fewest_requests_to_show, measure
+from tuner.statistics import Interval
+from tuner.trial_backend import TrialBackend
+
+MIN_RATE = 0.02  # req/s: a config that does not serve this is infeasible at any rate
+
+
+@dataclass
+class Capacity:
+    knobs: dict[str, Any]
+    low: float = 0.0
+    high: float = math.inf
+    probes: list[Measurement] = field(default_factory=list)
+    resolution: float = 0.15
+    stopped: str = ""  # why the search ended
+
+    @property
+    def value(self) -> float:
+        return self.low
+
+    @property
+    def resolved(self) -> bool:
+        return self.low > 0 and math.isfinite(self.high) and self.high / self.low <= 1 + self.resolution + 1e-9
+
+    @property
+    def feasible(self) -> bool:
+        return self.low > 0
+
+    @property
+    def interval(self) -> Interval:
+        """The bracket (low, high) around the capacity (high infinite: never exceeded)."""
+        return Interval(self.low, self.low, self.high, 1.0, len(self.probes))
+
+    @property
+    def at_capacity(self) -> Measurement | None:
+        """The measurement at ``low`` (the highest rate served), else the last one."""
+        served = [m for m in self.probes if m.verdict == "met" and m.rate == self.low]
+        return served[-1] if served else (self.probes[-1] if self.probes else None)
+
+    @property
+    def output_tokens_per_s(self) -> float | None:
+        m = self.at_capacity
+        return m.output_tokens_per_s if m is not None and m.verdict == "met" else None
+
+    @property
+    def rejected(self) -> str | None:
+        last = self.probes[-1] if self.probes else None
+        reason = last.reason if last is not None else None
+        return reason if reason and reason.startswith("rejected") else None
+
+    def describe(self) -> str:
+        """``3.1 req/s (bracket 3.1-3.4, 6 probes), 310 output tok/s``."""
+        if not self.feasible:
+            return (f"capacity 0 (no rate down to {self.high:.3g} req/s served; {self.stopped})" if self.probes
+                    else "capacity not measured")
+        high = f"{self.high:.3g}" if math.isfinite(self.high) else "?"
+        toks = self.output_tokens_per_s
+        return (f"capacity {self.low:.3g} req/s (bracket {self.low:.3g}-{high}, {len(self.probes)} probes)"
+                + (f", {toks:.0f} output tok/s" if toks is not None else ""))
+
+    def as_dict(self) -> dict[str, Any]:
+        at = self.at_capacity
+        return {"req_per_s": self.low, "bracket": [self.low, self.high if math.isfinite(self.high) else None],
+                "describe": self.describe(), "at_capacity": at.describe() if at is not None else None,
+                "resolved": self.resolved, "output_tokens_per_s": self.output_tokens_per_s, "stopped": self.stopped,
+                "probes": [{"rate": m.rate, "verdict": m.verdict, "describe": m.describe()} for m in self.probes]}
+
+
+def next_rate(low: float, high: float, start: float, step: float) -> float:
+    """The next probe: ``start`` with nothing known, a step beyond the one known side, else the geometric middle."""
+    if low <= 0 and math.isinf(high):
+        return start
+    if math.isinf(high):
+        return low * step
+    if low <= 0:
+        return high / step
+    return math.sqrt(low * high)
+
+
+def search_capacity(probe: Callable[[float], Measurement], knobs: dict[str, Any], start: float,
+                    resolution: float = 0.15, max_probes: int = 6, step: float = 2.0,
+                    on_probe: Callable[[Measurement], None] | None = None) -> Capacity:
+    """Bracket and bisect the capacity of ``knobs``; ``probe(rate)`` measures it at a rate."""
+    cap = Capacity(dict(knobs), resolution=resolution)
+    while len(cap.probes) < max_probes:
+        rate = next_rate(cap.low, cap.high, start, step)
+        if rate < MIN_RATE:
+            cap.stopped = f"not served at {cap.high:.3g} req/s, the lowest rate searched"
+            return cap
+        m = probe(rate)
+        cap.probes.append(m)
+        cap.knobs = dict(m.knobs)
+        if on_probe is not None:
+            on_probe(m)
+        if m.verdict == "met":
+            cap.low = max(cap.low, rate)
+        else:
+            cap.high = min(cap.high, rate)
+        if cap.rejected:
+            cap.stopped = cap.rejected
+            return cap
+        if cap.low <= 0 and m.verdict == "undecided" and m.figures is not None \
+                and m.figures.requests < fewest_requests_to_show(TARGET_SHARE, m.figures.attainment.level):
+            # nothing shown yet, and too few requests fit the cap at this rate to show the share even if all of
+            # them attained: a lower rate holds fewer still, so going down cannot decide either
+            cap.stopped = (f"undecided at {rate:.3g} req/s ({m.figures.attaining}/{m.figures.requests} requests "
+                           f"attained: too few within the cap to show {TARGET_SHARE:.0%})")
+            return cap
+        if cap.low > 0 and cap.high <= cap.low:  # a lower rate failed after a higher one served: noise; keep both
+            cap.high = cap.low * (1 + resolution)
+        if cap.resolved:
+            cap.stopped = f"bracket within {resolution:.0%}"
+            return cap
+    cap.stopped = f"{max_probes} probes used"
+    return cap
+
+
+def knob_distance(a: dict[str, Any], b: dict[str, Any], names: list[str]) -> float:
+    """How far two configs are apart: the sum over the numeric knobs of |log2(a/b)| (others: 1 when different)."""
+    d = 0.0
+    for k in names:
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, (int, float)) and isinstance(y, (int, float)) and x > 0 and y > 0:
+            d += abs(math.log2(float(x) / float(y)))
+        elif x != y:
+            d += 1.0
+    return d
+
+
+def start_from_known(knobs: dict[str, Any], known: list[tuple[dict[str, Any], float, float]], names: list[str],
+                     default: float) -> tuple[float, float]:
+    """(first rate, step) of a config's search from the brackets ``(knobs, low, high)`` of configs already measured:
+    the nearest one's capacity (or, when it served nothing, half its lowest failing rate) with a small step; with
+    nothing known, ``default`` and doubling."""
+    usable = [(kn, lo, hi) for kn, lo, hi in known if lo > 0 or math.isfinite(hi)]
+    if not usable:
+        return default, 2.0
+    _, lo, hi = min(usable, key=lambda t: knob_distance(knobs, t[0], names))
+    return (lo if lo > 0 else hi / 2), 1.5
+
+
+@dataclass
+class CapacitySearcher:
+    """Capacity searches on one backend that learn from each other: every search starts from the nearest config
+    already searched (``known``: knobs, low, high), or from ``start_rate``."""
+
+    backend: TrialBackend
+    spec: MeasurementSpec
+    names: list[str]
+    resolution: float = 0.15
+    max_probes: int = 6
+    start_rate: float = 1.0
+    known: list[tuple[dict[str, Any], float, float]] = field(default_factory=list)
+    on_probe: Callable[[Measurement], None] | None = None
+
+    def search(self, knobs: dict[str, Any], out_dir: Path, draw: int = 0, start: float | None = None,
+               step: float | None = None, max_probes: int | None = None, remember: bool = True) -> Capacity:
+        first, first_step = start_from_known(knobs, self.known, self.names, self.start_rate)
+        probes: list[int] = []
+
+        def probe(rate: float) -> Measurement:
+            probes.append(1)
+            return measure(self.backend, knobs, rate, Path(out_dir) / f"probe-{len(probes) - 1}", draw, self.spec)
+
+        cap = search_capacity(probe, knobs, start if start is not None else first, self.resolution,
+                              max_probes or self.max_probes, step or first_step, self.on_probe)
+        if remember and not cap.rejected:
+            self.known.append((cap.knobs, cap.low, cap.high))
+        return cap
+
+
+def capacity_searcher(runner: TrialBackend, policy: Policy) -> CapacitySearcher:  # a TrialRunner or SimTrialRunner
+    """The policy's rate search on ``runner`` (see tuner/capacity.py), its measurements sized by the policy."""
+    return CapacitySearcher(runner, measurement_spec(policy), [k.name for k in policy.search_space],
+                            policy.capacity.resolution, policy.capacity.max_probes, policy.capacity.start_rate)
+
+
+def measurement_spec(policy: Policy) -> MeasurementSpec:
+    m = policy.measurement
+    return MeasurementSpec(level=m.level, min_gaps=m.min_gaps,
+                           max_segments=max(1, math.ceil(m.cap / policy.trial_duration - 1e-9)),
+                           window_s=policy.trial_duration)

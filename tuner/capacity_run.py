@@ -1,0 +1,234 @@
+"""``tune`` with the capacity objective (the default): the machine's floor, the default config's capacity, the
+simulator's screen of the search space (its step times rescaled to the engine's own steps), the engine's capacity
+searches of the configs that matter (the study's trials), the paired verdict, and the outputs.
+
+A config written as tuned has held: it beat the default beyond the noise in the paired rounds and was shown to
+serve a rate in every round. When no candidate does, tuned.yaml holds the safest config (the highest capacity lower
+bound, the default on ties) and says that nothing beat the default.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import optuna
+
+from slotune.units import format_duration
+from loadtest.summary import SLO
+from tuner.capacity import CapacitySearcher, capacity_searcher
+from tuner.floor import measure_floor
+from tuner.measurement import Measurement
+from tuner.output import short_knobs, write_report, write_tuned_yaml, write_vllm
+from tuner.simulator_trial import SimTrialRunner
+from tuner.study import ROLE_DEFAULT, TrialReport, measured, run_trials
+from tuner.trial_runner import TrialRunner
+from tuner.verdict import DEFAULT, Contender, VerdictResult, paired_verdict, verdict_line
+
+if TYPE_CHECKING:
+    from tuner.session import TuneSession
+
+PROG = "tune"
+SCREENED = 40  # configs the simulator screens for capacity when --screen is not given
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+class CapacityRun:
+    def __init__(self, session: "TuneSession", runner: TrialRunner | SimTrialRunner, study: optuna.Study,
+                 model: str | None) -> None:
+        self.s = session
+        self.p = session.policy
+        self.runner = runner
+        self.study = study
+        self.model = model
+        self.searcher: CapacitySearcher = capacity_searcher(runner, self.p)
+        self.searcher.on_probe = self.probe_line
+        self.floor: dict[str, Any] = {}
+
+    def probe_line(self, m: Measurement) -> None:
+        say(f"    {m.rate:.3g} req/s: {m.describe()}")
+
+    def run(self) -> int:
+        p = self.p
+        say(f"{PROG}: measuring this machine's floor (batch 1 under each arrangement of the load generator, then "
+            f"batch 4) ...")
+        from tuner import arrangement
+
+        floor, _ = measure_floor(self.runner, self.s.trials_dir / "floor", spec=self.searcher.spec,
+                                 arrangements=arrangement.candidates(self.runner),
+                                 arrange=lambda a: arrangement.apply(self.runner, a))
+        self.floor = floor.as_dict()
+        say(f"{PROG}: floor: {floor.describe()}")
+        if floor.reason is not None or floor.below(SLO(**p.slo.as_dict())):
+            why = floor.reason or (f"p99 TBT <= {format_duration(p.slo.tbt_p99)} is below this machine's floor: one "
+                                   f"request at a time already gets p99 TBT {floor.tbt_p99_batch1.format('ms', 1000)}")
+            print(f"{PROG}: error: {why}; no config can meet it here (nothing written; floor: "
+                  f"{self.s.trials_dir / 'floor' / 'floor.json'})", file=sys.stderr)
+            return 1
+        say(f"{PROG}: study {self.s.study_name!r}: capacity (highest rate with >= 90% of requests within "
+            f"{self.s.slo_text()}) of {p.trials} configs, the default included; windows of "
+            f"{format_duration(p.trial_duration)} until decided (at most {format_duration(p.measurement.cap)}), "
+            f"{p.measurement.level:.0%} intervals")
+        run_trials(self.study, self.runner, p, p.trials, self.s.trials_dir, on_trial=self.trial_line,
+                   searcher=self.searcher, max_runs=1)  # the default config: enqueued first
+        self.screen()
+        # the searches stop in time to leave the verdict its budget (a search in flight finishes)
+        deadline = self.s.started + p.time_budget - p.verdict.budget
+        run_trials(self.study, self.runner, p, p.trials, self.s.trials_dir, on_trial=self.trial_line,
+                   searcher=self.searcher, deadline=deadline)
+        if time.monotonic() > deadline:
+            say(f"{PROG}: the time budget ({format_duration(p.time_budget)}) leaves the verdict its "
+                f"{format_duration(p.verdict.budget)}: no further configs searched")
+        return self.finish()
+
+    def trial_line(self, r: TrialReport) -> None:
+        names = [k.name for k in self.p.search_space]
+        knobs = "default config" if r.role == ROLE_DEFAULT else short_knobs(r.outcome.knobs, names)
+        cap = self.study.trials[r.number].user_attrs.get("capacity") or {}
+        high = (cap.get("bracket") or [None, None])[1]
+        best = "none yet" if r.best is None else f"{r.best.values[0]:.3g} req/s (#{r.best.number})"
+        say(f"[{r.done}/{r.total}] #{r.number} {knobs} | capacity {r.value:.3g} req/s (bracket {r.value:.3g}-"
+            f"{'?' if high is None else f'{high:.3g}'}) | best {best} | {format_duration(r.seconds)}")
+
+    def screen(self) -> None:
+        """The simulator, its step times rescaled to the steps the engine just ran, screens the space for capacity;
+        the best few become the next trials, each search starting at its predicted capacity."""
+        from tuner.capacity import capacity_searcher as searcher_on
+        from tuner.screening import _sample, measured_steps, sim_runner_like
+
+        # on a simulated engine (tests) the screen is that simulator itself
+        sim = self.runner if isinstance(self.runner, SimTrialRunner) else \
+            sim_runner_like(self.runner, measured=measured_steps(self.study) or None)
+        rescaled = getattr(sim.timer, "meta", {}).get("rescaled")
+        n = getattr(self.s.args, "screen", None) or SCREENED
+        say(f"{PROG}: screening {n} configs for capacity in the simulator"
+            + (f" (step times x{rescaled['scale']:.2f}, rescaled to {rescaled['steps']} engine steps)" if rescaled
+               else "") + " ...")
+        t0 = time.monotonic()
+        sim_search = searcher_on(sim, self.p)
+        ranked: list[tuple[float, dict[str, Any], dict[str, Any]]] = []
+        for knobs, params in _sample(self.p, n, self.p.seed):
+            cap = sim_search.search(knobs, self.s.trials_dir / "screen" / f"config-{len(ranked)}")
+            ranked.append((cap.value, knobs, params))
+        ranked.sort(key=lambda t: -t[0])
+        top = max(0, self.p.trials - 1)
+        for i, (value, _, params) in enumerate(ranked[:top]):
+            self.study.enqueue_trial(params, user_attrs={"role": "screened", "screen_rank": i + 1,
+                                                         "screen_predicted_capacity": value}, skip_if_exists=True)
+        say(f"{PROG}: screened {len(ranked)} configs in {format_duration(time.monotonic() - t0)}; predicted "
+            f"capacities of the best {top}: " + ", ".join(f"{v:.3g}" for v, _, _ in ranked[:top]) + " req/s")
+
+    # ------------------------------------------------------------------------------------------------ verdict
+
+    def contenders(self) -> tuple[Contender, list[Contender]]:
+        trials = [t for t in measured(self.study) if "capacity" in t.user_attrs]
+        default = next(t for t in trials if t.user_attrs.get("role") == ROLE_DEFAULT)
+        others = sorted((t for t in trials if t.user_attrs.get("role") != ROLE_DEFAULT and t.values[0] > 0),
+                        key=lambda t: -t.values[0])[:self.p.verdict.candidates]
+        start = self.p.capacity.start_rate
+
+        def c(name: str, t: optuna.trial.FrozenTrial) -> Contender:
+            return Contender(name, dict(t.user_attrs["knobs"]), t.values[0] if t.values[0] > 0 else start)
+
+        return c(DEFAULT, default), [c(f"candidate {i + 1} (trial #{t.number})", t) for i, t in enumerate(others)]
+
+    def round_capacity(self, c: Contender, draw: int) -> tuple[float, float, float | None]:
+        """A short rate search around the contender's capacity on arrival draw ``draw``: (the highest rate shown
+        served, 0 if none; the lowest not shown served; output tokens/s at the first)."""
+        res = self.p.capacity.resolution
+        folder = self.s.trials_dir / "verdict" / f"draw-{draw}" / c.name.split(" (")[0].replace(" ", "-")
+        cap = self.searcher.search(c.knobs, folder, draw=draw, start=c.start, step=1 + 2 * res, max_probes=2,
+                                   remember=False)
+        say(f"  {c.name}, draw {draw}: {cap.describe()}")
+        return cap.low, cap.high, cap.output_tokens_per_s
+
+    def finish(self) -> int:
+        p = self.p
+        default, candidates = self.contenders()
+        if not candidates and not any(t.values[0] > 0 for t in measured(self.study) if "capacity" in t.user_attrs):
+            report = self.s.out.with_suffix(".html")
+            write_report(report, self.study, p.slo.as_dict(), f"tune: {self.s.study_name}",
+                         ["No config was shown to serve any rate within the SLO."])
+            print(f"{PROG}: no config was shown to serve any rate within {self.s.slo_text()} "
+                  f"({len(measured(self.study))} configs searched; report: {report}); try a looser target",
+                  file=sys.stderr)
+            return 1
+        say(f"{PROG}: paired verdict: the default and {len(candidates)} candidate(s), fresh arrival draws, the same "
+            f"draw for every config in a round, up to {p.verdict.max_rounds} rounds or "
+            f"{format_duration(p.verdict.budget)} ...")
+        result = paired_verdict(default, candidates, self.round_capacity, p.verdict.max_rounds, p.verdict.budget,
+                                p.measurement.level, on_round=self.round_line)
+        chosen, held = self.choose(result)
+        return self.write(result, chosen, held)
+
+    def confirmed(self) -> list[dict[str, Any]]:
+        """Each screened config the engine measured: the simulator's predicted capacity beside the engine's."""
+        rows = []
+        for t in measured(self.study):
+            if t.user_attrs.get("role") == "screened" and "capacity" in t.user_attrs:
+                predicted = t.user_attrs.get("screen_predicted_capacity")
+                got = t.values[0]
+                rows.append({"trial": t.number, "knobs": t.user_attrs.get("knobs"), "predicted": predicted,
+                             "measured": got, "bracket": t.user_attrs["capacity"].get("bracket"),
+                             "predicted_over_measured": predicted / got if predicted and got else None})
+        return rows
+
+    def round_line(self, r: int, result: VerdictResult) -> None:
+        parts = [f"{c.name.split(' (')[0]} {c.capacity(result.level).format(' req/s', 1, 3)}"
+                 for c in [result.default] + result.candidates]
+        say(f"  round {r}: " + "; ".join(parts))
+
+    def choose(self, result: VerdictResult) -> tuple[Contender, bool]:
+        """The winner when it held in every round (served some rate each time), else the safest config."""
+        w = result.winner
+        if w is not None and all(v > 0 for v in w.rounds) and all(math.isfinite(v) for v in w.rounds):
+            return w, True
+        if w is not None:
+            say(f"{PROG}: {w.name} failed its re-measurement in a round: not written as tuned; falling back")
+        return result.safest, False
+
+    def write(self, result: VerdictResult, chosen: Contender, held: bool) -> int:
+        p, s = self.p, self.s
+        line = verdict_line(result, slo_words(p.slo.as_dict()))
+        report = s.out.with_suffix(".html")
+        vllm_path = s.out.with_suffix(".vllm.txt")
+        vllm = write_vllm(vllm_path, chosen.knobs, self.model)
+        evidence: dict[str, Any] = {"verdict": result.as_dict(), "verdict_line": line, "floor": self.floor,
+                                    "tuned_is_default": chosen is result.default, "held": held,
+                                    "confirmed": self.confirmed()}
+        write_tuned_yaml(s.out, knobs=chosen.knobs, slo=p.slo.as_dict(), workload=p.workload.as_dict(), rate=0.0,
+                         rate_reason="capacity objective: the rate is searched per config", objective=p.objective,
+                         model=self.model, study_name=s.study_name,
+                         storage=str(getattr(s.storage, "url", type(s.storage).__name__)), tuned=None, default=None,
+                         remeasured=None, vllm=vllm, report=report, trials=len(self.study.trials),
+                         capacity=capacity_section(result, chosen), evidence=evidence)
+        write_report(report, self.study, p.slo.as_dict(), f"tune: {s.study_name}", [line])
+        say(f"{PROG}: wrote {s.out} (serve it: slotune serve --config {s.out}), {report}, {vllm_path}")
+        say(f"{PROG}: done in {format_duration(time.monotonic() - s.started)}")
+        say(line)
+        return 0
+
+
+def slo_words(slo: dict[str, float | None]) -> str:
+    """``p99 TBT <= 50ms and p99 TTFT <= 2s``."""
+    names = {"tbt_p99": "p99 TBT", "ttft_p99": "p99 TTFT", "e2e_p99": "p99 E2E"}
+    return " and ".join(f"{names[k]} <= {format_duration(v)}" for k, v in slo.items() if v is not None)
+
+
+def capacity_section(result: VerdictResult, chosen: Contender) -> dict[str, Any]:
+    """tuned.yaml's ``tuned`` and ``default``: each config's capacity (req/s) with its interval, and the ratio."""
+    def entry(c: Contender) -> dict[str, Any]:
+        tokens = [t for t in c.tokens if t is not None and math.isfinite(t)]
+        return {"name": c.name, "knobs": c.knobs, "capacity_req_per_s": c.capacity(result.level).as_dict(),
+                "rounds_req_per_s": c.rounds, "output_tokens_per_s": sum(tokens) / len(tokens) if tokens else None}
+
+    tuned = entry(chosen)
+    if chosen is not result.default:
+        tuned["ratio_to_default"] = result.ratio(chosen).as_dict()
+    return {"tuned": tuned, "default": entry(result.default)}
+

@@ -1,0 +1,140 @@
+"""The machine's floor: what this machine can do at all with the load generator running, measured before a search.
+
+Two short runs at a low load, each windows until their gaps can bound a p99: one request at a time
+(``max_num_seqs`` 1) and a small batch (``max_num_seqs`` 4).
+From them: the engine's decode-step p99 at batch 1 and at batch 2-4 (its own step records), the client-side p99 TBT
+of the batch-1 trial with its order-statistic interval, the engine-side p99 inter-token latency beside it (the
+difference is what the load generator and the host add), and the generator's own timing error (send lag p99).
+
+Where the load generator shares the engine's cores, the batch-1 run is repeated under each arrangement of the two
+(tuner/arrangement.py) and the least disturbing one is kept for the whole run.
+
+When even one request at a time misses the TBT target beyond the noise (the interval's lower end above it), no
+config can meet the SLO on this machine: tune says so with the figures and stops before searching.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loadtest.records import RequestRecord
+from loadtest.summary import SLO
+from tuner.arrangement import Arrangement
+from tuner.measurement import FAILURES, MeasurementSpec, figures, segment_seed, window_records
+from tuner.statistics import Interval, upper_verdict
+from tuner.trial_backend import TrialBackend
+from tuner.trial_runner import TrialOutcome
+
+BATCH_1 = {"max_num_seqs": 1}
+SMALL_BATCH = {"max_num_seqs": 4}
+
+
+@dataclass
+class Floor:
+    tbt_p99_batch1: Interval  # client side, pooled gaps of the batch-1 trial
+    engine_itl_p99_batch1: float | None  # engine side (its histogram's bucket bound)
+    step_p99_batch1: float | None  # decode-only steps with one sequence
+    step_p99_small_batch: float | None  # decode-only steps with 2-4 sequences
+    send_lag_p99: float | None  # the load generator's own timing error
+    reason: str | None = None  # why it could not be measured
+    arrangement: str = ""  # where the load generator runs (tuner/arrangement.py): the least disturbing one tried
+    by_arrangement: dict[str, Any] = field(default_factory=dict)  # batch-1 p99 TBT interval per arrangement tried
+
+    def below(self, slo: SLO) -> bool:
+        """The TBT target is below what one request at a time gets here, beyond the noise."""
+        return slo.tbt_p99 is not None and upper_verdict(self.tbt_p99_batch1, slo.tbt_p99) == "missed"
+
+    def describe(self) -> str:
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v * 1000:.1f}ms"
+
+        return (f"batch-1 p99 TBT {self.tbt_p99_batch1.format('ms', 1000, 3)} client-side, "
+                f"<= {ms(self.engine_itl_p99_batch1)} engine-side; decode-step p99 {ms(self.step_p99_batch1)} at "
+                f"batch 1, {ms(self.step_p99_small_batch)} at batch 2-4; load generator send lag p99 "
+                f"{ms(self.send_lag_p99)}" + (f"; {self.arrangement}" if self.arrangement else "")
+                + ("" if len(self.by_arrangement) < 2 else " (batch-1 p99 TBT by arrangement: " + ", ".join(
+                    f"{k} {_ms(v.get('value'))}" for k, v in self.by_arrangement.items()) + ")"))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"tbt_p99_batch1": self.tbt_p99_batch1.as_dict(), "engine_itl_p99_batch1": self.engine_itl_p99_batch1,
+                "step_p99_batch1": self.step_p99_batch1, "step_p99_small_batch": self.step_p99_small_batch,
+                "send_lag_p99": self.send_lag_p99, "reason": self.reason, "arrangement": self.arrangement,
+                "by_arrangement": self.by_arrangement}
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}ms"
+
+
+def _decode_step_p99(outcomes: list[TrialOutcome], low: int, high: int) -> float | None:
+    steps: list[dict[str, Any]] = []
+    for o in outcomes:
+        path = Path(o.out_dir) / "steps.jsonl" if o.out_dir is not None else None
+        if path is not None and path.exists():
+            steps += [json.loads(line) for line in path.read_text().splitlines() if line]
+    d = [s["total_s"] for s in steps if s.get("num_prefill_tokens", 0) == 0 and low <= s["num_decode_tokens"] <= high]
+    return float(np.percentile(d, 99)) if d else None
+
+
+def _pooled_trial(backend: TrialBackend, knobs: dict[str, Any], out_dir: Path, rate: float,
+                  spec: MeasurementSpec) -> tuple[list[TrialOutcome], list[RequestRecord]]:
+    """Windows of ``knobs`` at ``rate`` until their pooled gaps can bound a p99 (``spec.min_gaps``), or the cap."""
+    outcomes: list[TrialOutcome] = []
+    records: list[RequestRecord] = []
+    for i in range(spec.segments_at(rate)):
+        o = backend.run(dict(knobs), Path(out_dir) / f"window-{i}", rate=rate, seed=segment_seed(0, i))
+        outcomes.append(o)
+        if o.reason and o.reason.startswith(FAILURES):
+            break
+        records += window_records(o)
+        if sum(max(0, len(r.token_times) - 1) for r in records) >= spec.min_gaps:
+            break
+    return outcomes, records
+
+
+def measure_floor(backend: TrialBackend, out_dir: Path, rate: float = 1.0, spec: MeasurementSpec | None = None,
+                  arrangements: list[Arrangement] | None = None,
+                  arrange: Callable[[Arrangement], None] | None = None) -> tuple[Floor, list[TrialOutcome]]:
+    """The floor from batch-1 windows at ``rate`` under each of ``arrangements`` (applied by ``arrange``; the one
+    whose client-side p99 TBT is lowest beyond the noise is kept and left applied), then small-batch windows at
+    twice the rate."""
+    spec = spec or MeasurementSpec()
+    tried: list[Tried] = []
+    options: list[Arrangement | None] = list(arrangements) if arrangements else [None]
+    for a in options:
+        if a is not None and arrange is not None:
+            arrange(a)
+        folder = Path(out_dir) / ("batch-1" if a is None else f"batch-1-{a.name}")
+        tried.append((a, *_pooled_trial(backend, BATCH_1, folder, rate, spec)))
+    by_arrangement = {a.name: figures(r, backend.slo, spec).tbt_p99.as_dict() for a, _, r in tried if a is not None}
+    chosen, one, records = least_disturbing(tried, backend.slo, spec)
+    if chosen is not None and arrange is not None:
+        arrange(chosen)
+    small, _ = _pooled_trial(backend, SMALL_BATCH, Path(out_dir) / "batch-4", 2 * rate, spec)
+    f = figures(records, backend.slo, spec)
+    summaries = [o.summary for o in one if o.summary]
+    lags = [s["send_lag_p99"] for s in summaries if s.get("send_lag_p99") is not None]
+    itl = [s["engine_itl_p99"] for s in summaries if s.get("engine_itl_p99") is not None]
+    reason = None if any(s.get("completed") for s in summaries) else (one[-1].reason or "no request completed")
+    floor = Floor(f.tbt_p99, max(itl) if itl else None, _decode_step_p99(one, 1, 1), _decode_step_p99(small, 2, 4),
+                  max(lags) if lags else None, reason, chosen.describe() if chosen is not None else "",
+                  by_arrangement)
+    (Path(out_dir) / "floor.json").write_text(json.dumps(floor.as_dict(), indent=1) + "\n")
+    return floor, [o for _, outs, _ in tried for o in outs] + small
+
+
+Tried = tuple[Arrangement | None, list[TrialOutcome], list[RequestRecord]]
+
+
+def least_disturbing(tried: list[Tried], slo: Any, spec: MeasurementSpec) -> Tried:
+    """The first arrangement (the default) unless another's batch-1 p99 TBT is lower beyond the noise (its interval
+    entirely below the first one's); among several such, the lowest."""
+    p99 = [figures(r, slo, spec).tbt_p99 for _, _, r in tried]
+    better = [i for i in range(1, len(tried)) if p99[i].high < p99[0].low]
+    return tried[min(better, key=lambda i: p99[i].value)] if better else tried[0]

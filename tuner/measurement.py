@@ -1,0 +1,212 @@
+"""One measurement of a config at an offered rate, sized by its statistics rather than by a fixed wall time.
+
+A measurement is a sequence of segments (each one trial of the backend: warm-up + a window of
+``policy.trial_duration``, its own arrival draw, the prefix cache emptied first). After each segment the pooled
+records of all its windows give:
+
+- attainment (the share of requests that attain the SLO) with its Clopper-Pearson interval, against the target
+  share (90 %): the figure that decides whether the config serves this rate;
+- p99 TBT of the pooled gaps and p99 TTFT of the requests (a request without a first token counts as an infinite
+  TTFT), each with its order-statistic interval, against their targets.
+
+The measurement stops as soon as it is decided (:func:`should_stop`): attainment "missed" (no more data can make
+the config serve this rate), or attainment "met" with the p99 TBT interval on one side of the target (after at
+least ``min_gaps`` gaps). At the cap (``max_segments``) whatever is still undecided is
+reported as "undecided", never as met or missed. A segment that fails (rejected config, crashed engine, failed
+load test) ends the measurement as "missed" with its reason, as a failed trial always was.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from loadtest.records import RequestRecord, read_records
+from loadtest.summary import SLO, attains, token_gaps
+from tuner.statistics import (
+    DEFAULT_LEVEL,
+    Interval,
+    Verdict,
+    lower_verdict,
+    proportion_interval,
+    quantile_interval,
+    upper_verdict,
+)
+from tuner.trial_backend import TrialBackend
+from tuner.trial_runner import TrialOutcome
+
+# reasons of a trial that measured nothing usable (tuner.trial_runner): the config fails at this rate
+FAILURES = ("rejected", "engine crashed", "load test failed", "could not", "the engine did not become idle")
+TARGET_SHARE = 0.9  # DESIGN.md: capacity = the highest rate at which >= 90 % of the requests attain the SLO
+
+
+@dataclass(frozen=True)
+class MeasurementSpec:
+    """How a measurement is sized (policy ``measurement``)."""
+
+    level: float = DEFAULT_LEVEL  # two-sided confidence level of every interval
+    target_share: float = TARGET_SHARE
+    min_gaps: int = 400  # fewer pooled gaps than this never decide a p99 TBT (368 are needed to bound a p99 at 95 %)
+    max_segments: int = 3  # the cap: this many windows at most ...
+    window_s: float = 0.0  # ... unless a low rate needs more windows (of this length) to hold enough requests
+
+    def segments_at(self, rate: float) -> int:
+        """The cap at ``rate``: ``max_segments`` windows, or as many as 1.5x the fewest requests that can show the
+        target share take at this rate (36 all-attaining requests for 90 % at 95 %), at most 3x ``max_segments``."""
+        if self.window_s <= 0 or rate <= 0:
+            return self.max_segments
+        needed = 1.5 * fewest_requests_to_show(self.target_share, self.level) / rate
+        return max(self.max_segments, min(3 * self.max_segments, math.ceil(needed / self.window_s)))
+
+
+def fewest_requests_to_show(share: float, level: float = DEFAULT_LEVEL) -> int:
+    """The fewest requests whose attainment, all of them attaining, has a lower bound >= ``share``."""
+    return math.ceil(math.log((1 - level) / 2) / math.log(share))
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What the pooled windows of a measurement show."""
+
+    requests: int
+    attaining: int
+    gaps: int
+    attainment: Interval
+    tbt_p99: Interval
+    ttft_p99: Interval
+    verdicts: dict[str, Verdict]  # "attainment", "tbt_p99", and "ttft_p99" when the SLO has a TTFT target
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"requests": self.requests, "attaining": self.attaining, "gaps": self.gaps,
+                "attainment": self.attainment.as_dict(), "tbt_p99": self.tbt_p99.as_dict(),
+                "ttft_p99": self.ttft_p99.as_dict(), "verdicts": dict(self.verdicts)}
+
+
+def figures(records: list[RequestRecord], slo: SLO, spec: MeasurementSpec = MeasurementSpec()) -> Figures:
+    """The intervals and verdicts of a set of window records."""
+    n = len(records)
+    attaining = sum(attains(r, slo) for r in records)
+    gaps = np.concatenate([token_gaps(r) for r in records]) if records else np.zeros(0)
+    ttfts = np.array([r.ttft if math.isfinite(r.ttft) else math.inf for r in records], dtype=float)
+    att = proportion_interval(attaining, n, spec.level)
+    tbt = quantile_interval(gaps, 0.99, spec.level)
+    with np.errstate(invalid="ignore"):  # a p99 between two infinite TTFTs is infinite, not NaN
+        ttft = quantile_interval(ttfts, 0.99, spec.level)
+    if n and math.isnan(ttft.value):
+        ttft = replace(ttft, value=math.inf)
+    verdicts: dict[str, Verdict] = {"attainment": lower_verdict(att, spec.target_share)}
+    if slo.tbt_p99 is not None:
+        verdicts["tbt_p99"] = upper_verdict(tbt, slo.tbt_p99) if gaps.size >= spec.min_gaps else "undecided"
+    if slo.ttft_p99 is not None:
+        verdicts["ttft_p99"] = upper_verdict(ttft, slo.ttft_p99)
+    return Figures(n, attaining, int(gaps.size), att, tbt, ttft, verdicts)
+
+
+def should_stop(f: Figures) -> bool:
+    """Decided: attainment missed, or attainment met with the p99 TBT on one side of its target. The p99 TTFT is
+    reported with its interval but does not hold a measurement open: bounding a p99 of requests from above takes
+    368 of them (minutes at a few req/s), and each request's own TTFT already counts in its attainment."""
+    if f.verdicts["attainment"] == "missed":
+        return True
+    return f.verdicts["attainment"] == "met" and f.verdicts.get("tbt_p99", "met") != "undecided"
+
+
+@dataclass
+class Measurement:
+    """A config at a rate: the pooled figures of its segments and what they decide."""
+
+    knobs: dict[str, Any]
+    rate: float
+    figures: Figures | None  # None when the first segment failed
+    segments: list[TrialOutcome] = field(default_factory=list)
+    reason: str | None = None  # why a segment failed (then the measurement is "missed")
+    window_s: float = 0.0  # total measured window time
+
+    @property
+    def verdict(self) -> Verdict:
+        """Whether the config serves this rate: its attainment's verdict against the target share."""
+        if self.reason is not None or self.figures is None:
+            return "missed"
+        return self.figures.verdicts["attainment"]
+
+    @property
+    def output_tokens_per_s(self) -> float | None:
+        done = [s.summary for s in self.segments if s.summary]
+        window = sum(float(s.get("duration_s") or 0.0) for s in done)
+        toks = sum(float(s.get("output_tokens_per_s") or 0.0) * float(s.get("duration_s") or 0.0) for s in done)
+        return toks / window if window > 0 else None
+
+    @property
+    def engine_itl_p99(self) -> float | None:
+        """The engine-side inter-token p99 (its histogram's bucket bound) of the last segment, beside the client's."""
+        values = [s.summary.get("engine_itl_p99") for s in self.segments if s.summary]
+        return max((v for v in values if v is not None), default=None)
+
+    def describe(self) -> str:
+        """``attainment 94% (88-98%) met, p99 TBT 41ms (38-45), p99 TTFT 0.6s (0.5-0.9), 112 req / 9k gaps``."""
+        if self.figures is None:
+            return f"failed: {self.reason}"
+        f = self.figures
+        v = f.verdicts
+        text = (f"attainment {f.attainment.format('%', 100, 3)} {v['attainment']}, "
+                f"p99 TBT {f.tbt_p99.format('ms', 1000, 3)}"
+                + (f" {v['tbt_p99']}" if "tbt_p99" in v else "")
+                + f", p99 TTFT {f.ttft_p99.format('s', 1, 2)}" + (f" {v['ttft_p99']}" if "ttft_p99" in v else "")
+                + f" [{f.requests} req, {f.gaps} gaps, {self.window_s:.0f}s")
+        itl = self.engine_itl_p99
+        if itl is not None:
+            text += f"; engine-side p99 ITL <= {itl * 1000:.0f}ms"
+        text += "]"
+        return text + (f"; {self.reason}" if self.reason else "")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"knobs": self.knobs, "rate": self.rate, "verdict": self.verdict, "reason": self.reason,
+                "window_s": self.window_s, "segments": len(self.segments),
+                "output_tokens_per_s": self.output_tokens_per_s, "engine_itl_p99": self.engine_itl_p99,
+                "figures": self.figures.as_dict() if self.figures else None,
+                "dirs": [str(s.out_dir) for s in self.segments if s.out_dir]}
+
+
+def window_records(outcome: TrialOutcome) -> list[RequestRecord]:
+    """The records of a segment's measurement window, read back from its trial folder (both backends write one)."""
+    if outcome.out_dir is None or not (Path(outcome.out_dir) / "records.parquet").exists():
+        return []
+    window = (outcome.summary or {}).get("window")
+    records = read_records(str(Path(outcome.out_dir) / "records.parquet"))
+    if not window:
+        return records
+    a, b = float(window[0]), float(window[1])
+    return [r for r in records if a <= r.scheduled_at < b]
+
+
+def segment_seed(draw: int, segment: int) -> int:
+    """The arrival seed of segment ``segment`` of draw ``draw``: every config measured on draw d sees the same
+    arrivals (common random numbers), and no two segments repeat one."""
+    return draw * 1000 + segment
+
+
+def measure(backend: TrialBackend, knobs: dict[str, Any], rate: float, out_dir: Path, draw: int = 0,
+            spec: MeasurementSpec = MeasurementSpec(),
+            on_segment: Callable[[Measurement], None] | None = None) -> Measurement:
+    """Measure ``knobs`` at ``rate`` segment by segment until :func:`should_stop` or the cap."""
+    m = Measurement(knobs=dict(knobs), rate=rate, figures=None)
+    pooled: list[RequestRecord] = []
+    for i in range(spec.segments_at(rate)):
+        o = backend.run(knobs, Path(out_dir) / f"segment-{i}", rate=rate, seed=segment_seed(draw, i))
+        m.segments.append(o)
+        m.knobs = dict(o.knobs)
+        if o.reason and o.reason.startswith(FAILURES):  # rejected, crashed, failed: the config fails here
+            m.reason = o.reason
+            return m
+        pooled += window_records(o)
+        m.window_s += float((o.summary or {}).get("duration_s") or 0.0)
+        m.figures = figures(pooled, backend.slo, spec)
+        if on_segment is not None:
+            on_segment(m)
+        if should_stop(m.figures):
+            break
+    return m

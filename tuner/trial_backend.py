@@ -1,0 +1,45 @@
+"""The one protocol real and simulated trials implement, and the one mapping from a policy's workload to a load
+configuration that both use.
+
+A backend runs one trial (:meth:`TrialBackend.run`): the config's knobs laid over its base config, at an offered
+rate, on the arrival draw ``seed``; it writes the trial folder (records.parquet, summary.json, steps.jsonl,
+trial.json; tuner/trial_runner.py describes it) and returns a TrialOutcome. ``tuner.trial_runner.TrialRunner``
+runs it on the engine, ``tuner.simulator_trial.SimTrialRunner`` in the simulator; measurements
+(tuner/measurement.py), rate searches (tuner/capacity.py) and the verdict (tuner/verdict.py) take either.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from loadtest.config import LoadConfig
+from loadtest.summary import SLO
+from policies import WorkloadSpec
+
+
+class TrialBackend(Protocol):
+    slo: Any  # an SLO once constructed (TrialRunner accepts the policy's SLOTargets and converts)
+    simulated: bool
+
+    def run(self, knobs: dict[str, Any], out_dir: Path, rate: float | None = None,
+            seed: int | None = None) -> Any: ...  # a tuner.trial_runner.TrialOutcome
+
+
+def load_config_for(workload: WorkloadSpec, slo: SLO, rate: float, duration: float, seed: int,
+                    drain_timeout: float, url: str = "", out: str | None = None) -> LoadConfig:
+    """The load test of one trial: the workload's lengths, mix, scales and trace window, the SLO, the arrival draw."""
+    extra: dict[str, Any] = {}
+    if workload.mix:
+        extra["mix"] = workload.mix
+    if workload.mix_weights:
+        extra["mix_weights"] = workload.mix_weights
+    if workload.output_scale is not None:
+        extra["output_scale"] = workload.output_scale
+    if url:
+        extra["url"] = url
+    return LoadConfig(workload=workload.name, rate=rate, duration=duration, length_scale=workload.length_scale,
+                      time_scale=workload.time_scale, max_context=workload.max_context,
+                      trace_offset=workload.trace_offset, seed=seed, slo_p99_tbt=slo.tbt_p99,
+                      slo_p99_ttft=slo.ttft_p99, slo_p99_e2e=slo.e2e_p99, drain_timeout=drain_timeout,
+                      request_timeout=max(30.0, drain_timeout), out=out, **extra)
