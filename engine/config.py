@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+KernelBackend = Literal["auto", "torch", "cpp", "triton"]  # engine/kernel_backend.py
 
 MAX_BLOCK_SIZE = 256
 
@@ -35,6 +36,8 @@ class ModelLimits:
     kv_bytes_per_token: int
 
 
+# Knobs chosen when the engine loads: an update may repeat their value but not change it.
+LOAD_TIME_KNOBS = frozenset({"kernel_backend"})
 # Knobs that need the KV cache laid out anew when they change (running sequences are recomputed).
 RELAYOUT_KNOBS = frozenset({"block_size", "num_kv_blocks", "kv_cache_bytes", "max_model_len", "swap_space_bytes"})
 
@@ -53,6 +56,7 @@ class EngineConfig:
     swap_space_bytes: int = 512 << 20
     enable_prefix_caching: bool = True
     scheduling_policy: SchedulingPolicy = "fcfs"
+    kernel_backend: KernelBackend = "auto"  # load-time: which kernels run the layer ops (engine/kernel_backend.py)
     generation: int = 0
 
     @classmethod
@@ -69,6 +73,10 @@ class EngineConfig:
     def updated(self, limits: ModelLimits, **changes: Any) -> EngineConfig:
         """A validated copy with `changes` applied and the next generation number; `self` is untouched."""
         _reject_unknown(changes)
+        for knob in LOAD_TIME_KNOBS & set(changes):
+            if changes[knob] != getattr(self, knob):
+                raise ConfigError(knob, changes[knob], f"is chosen when the engine starts (it is "
+                                  f"{getattr(self, knob)!r}); restart the engine to change it")
         new = dataclasses.replace(self, **changes, generation=self.generation + 1)
         new.validate(limits, changed=set(changes))
         return new
@@ -90,6 +98,12 @@ class EngineConfig:
 
     def num_swap_blocks(self, limits: ModelLimits) -> int:
         return self.swap_space_bytes // (limits.kv_bytes_per_token * self.block_size)
+
+    def resolved_kernel_backend(self, device: Any, dtype: Any) -> str:
+        """What `kernel_backend` means on this torch device and dtype (ConfigError when it cannot run there)."""
+        from engine.kernel_backend import resolve_kernel_backend  # imports torch; the config itself does not
+
+        return resolve_kernel_backend(self.kernel_backend, device, dtype)
 
     def max_prefill_tokens_per_step(self) -> int:
         return max(1, int(self.max_num_batched_tokens * self.prefill_token_ratio))
@@ -131,6 +145,9 @@ class EngineConfig:
             raise ConfigError("preemption_mode", self.preemption_mode, "must be 'recompute' or 'swap'")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError("scheduling_policy", self.scheduling_policy, "must be 'fcfs' or 'priority'")
+        if self.kernel_backend not in get_args(KernelBackend):
+            raise ConfigError("kernel_backend", self.kernel_backend,
+                              f"must be one of {', '.join(get_args(KernelBackend))}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError("enable_prefix_caching", self.enable_prefix_caching, "must be true or false")
         # The pool must hold one sequence of the longest allowed length.

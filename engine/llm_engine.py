@@ -7,6 +7,7 @@ serializes them, so a config update or an abort always lands at a step boundary.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from engine.sampling_params import RequestOutput, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.step_record import StepRecord, StepRecorder
+
+logger = logging.getLogger("slotune.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,7 +68,11 @@ class LLMEngine:
         self.config = EngineConfig.create(self.limits, **knobs)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
-        self.model = LlamaModel(self.model_config, load_state_dict(self.model_dir), self.dtype, self.device)
+        self.kernel_backend = self.config.resolved_kernel_backend(self.device, self.dtype)
+        logger.info("kernel backend: %s (kernel_backend=%s, device %s, %s)", self.kernel_backend,
+                    self.config.kernel_backend, self.device, dtype)
+        self.model = LlamaModel(self.model_config, load_state_dict(self.model_dir), self.dtype, self.device,
+                                self.kernel_backend)
         self.scheduler = Scheduler(self.config, self.limits)
         self.runner = ModelRunner(self.model, self._new_kv_cache(self.config), seed=seed)
         self.recorder = StepRecorder(step_record_capacity, step_log)

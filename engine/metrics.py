@@ -8,12 +8,13 @@ mirror the engine's own totals (tokens, preemptions, prefix cache, finished requ
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from engine.config import KernelBackend
 from engine.step_record import StepRecord
 
 if TYPE_CHECKING:
@@ -27,7 +28,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03,
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 # Knobs whose values are names: exported as the index into these tuples.
-ENUM_KNOBS = {"preemption_mode": ("recompute", "swap"), "scheduling_policy": ("fcfs", "priority")}
+ENUM_KNOBS = {"preemption_mode": ("recompute", "swap"), "scheduling_policy": ("fcfs", "priority"),
+              "kernel_backend": get_args(KernelBackend)}
 
 
 def knob_values(snapshot: EngineSnapshot) -> dict[str, float]:

@@ -80,7 +80,7 @@ class ModelRunner:
         slots: list[int] = []
         meta = AttentionMetadata(slot_mapping=torch.empty(0))
 
-        in_place = self.model.kernels is not None
+        in_place = self.model.kernels is not None or self.model.triton is not None  # no gather, no mask
         spread = math.inf if in_place else DECODE_GROUP_SPREAD
         group_start = 0
         while group_start < len(decodes):
