@@ -3,38 +3,32 @@
 path), variable-length prefill attention (a first chunk, a chunk in the middle of a sequence, several sequences
 per launch, beside decodes), RMS norm with the residual add, rotary embedding with the KV-cache write, SiLU * up,
 and a whole forward pass of a small random model. Without a GPU they run under Triton's interpreter
-(TRITON_INTERPRET=1, set here before triton is imported), in fp32 and fp16 (the interpreter's bf16 dots are
-wrong). The metadata comes from the engine's own ModelRunner, once as the torch path lays it out (decode groups by
+(TRITON_INTERPRET=1, set by tests/triton_interpreter.py before triton is imported), in fp32 and fp16 (the
+interpreter's bf16 dots are wrong). The metadata comes from the engine's own ModelRunner, once as the torch path lays it out (decode groups by
 context spread, masks) and once as the Triton path does (one group, no masks)."""
 
 from __future__ import annotations
 
-import os
+from tests.triton_interpreter import DEVICE  # isort: skip  (first: it switches the interpreter on)
 
+import random
+
+import pytest
 import torch
+import torch.nn.functional as F
 
-if not torch.cuda.is_available():  # before engine.triton_kernels (and triton's decorators) are first imported
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import random  # noqa: E402
-
-import pytest  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from engine import attention  # noqa: E402
-from engine import triton_kernels as tk  # noqa: E402
-from engine.attention import AttentionMetadata  # noqa: E402
-from engine.kv_cache import KVCache  # noqa: E402
-from engine.model import LlamaModel  # noqa: E402
-from engine.model_loader import ModelConfig  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import ScheduledSequence  # noqa: E402
-from engine.sequence import Sequence  # noqa: E402
-from engine.triton_kernels.decode_attention import BLOCK_N  # noqa: E402
-from engine.triton_kernels.prefill_attention import TILES  # noqa: E402
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from engine import attention
+from engine import triton_kernels as tk
+from engine.attention import AttentionMetadata
+from engine.kv_cache import KVCache
+from engine.model import LlamaModel
+from engine.model_loader import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSequence
+from engine.sequence import Sequence
+from engine.triton_kernels.decode_attention import BLOCK_N
+from engine.triton_kernels.prefill_attention import TILES
 DTYPES = [torch.float32, torch.float16]
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=2e-3)}
 NUM_BLOCKS = 160
