@@ -52,7 +52,9 @@ class _Request:
 class LLMEngine:
     def __init__(self, model: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu",
                  cache_dir: str | Path | None = None, seed: int = 0, step_log: str | Path | None = None,
-                 step_record_capacity: int = 10_000, **knobs: Any) -> None:
+                 step_record_capacity: int = 10_000, cuda_graphs: bool = True, **knobs: Any) -> None:
+        """cuda_graphs: replay decode steps from CUDA graphs on a GPU with the Triton backend
+        (engine/cuda_graphs.py; SLOTUNE_CUDA_GRAPHS=0 also turns them off)."""
         if dtype not in DTYPES:
             raise ValueError(f"invalid dtype={dtype!r}: must be one of {', '.join(DTYPES)}")
         from transformers import AutoTokenizer  # loading only
@@ -74,7 +76,7 @@ class LLMEngine:
         self.model = LlamaModel(self.model_config, load_state_dict(self.model_dir), self.dtype, self.device,
                                 self.kernel_backend)
         self.scheduler = Scheduler(self.config, self.limits)
-        self.runner = ModelRunner(self.model, self._new_kv_cache(self.config), seed=seed)
+        self.runner = ModelRunner(self.model, self._new_kv_cache(self.config), seed=seed, cuda_graphs=cuda_graphs)
         self.recorder = StepRecorder(step_record_capacity, step_log)
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}

@@ -184,12 +184,14 @@ class LlamaModel:
         return hidden
 
     def _triton_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                       kv_cache: KVCache) -> torch.Tensor:
+                       kv_cache: KVCache, batch: Any | None = None) -> torch.Tensor:
         """The layer loop of forward() on the Triton kernels: the residual add happens inside the next RMS norm
-        (same roundings as residual + x, then the norm); the matmuls are torch's (cuBLAS on a GPU)."""
+        (same roundings as residual + x, then the norm); the matmuls are torch's (cuBLAS on a GPU). `batch`: the
+        kernels' view of `meta` (engine/triton_kernels/paged_attention.py), given by a captured CUDA graph."""
         ops, cfg, eps = self.triton, self.config, self.config.rms_norm_eps
         assert ops is not None
-        batch = ops.TritonBatch.from_metadata(meta, self.device)  # once per step, not per layer
+        if batch is None:
+            batch = ops.TritonBatch.from_metadata(meta, self.device)  # once per step, not per layer
         residual = hidden
         x = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
