@@ -73,12 +73,12 @@ class EngineConfig:
     def updated(self, limits: ModelLimits, **changes: Any) -> EngineConfig:
         """A validated copy with `changes` applied and the next generation number; `self` is untouched."""
         _reject_unknown(changes)
+        new = dataclasses.replace(self, **changes, generation=self.generation + 1)
+        new.validate(limits, changed=set(changes))
         for knob in LOAD_TIME_KNOBS & set(changes):
             if changes[knob] != getattr(self, knob):
                 raise ConfigError(knob, changes[knob], f"is chosen when the engine starts (it is "
                                   f"{getattr(self, knob)!r}); restart the engine to change it")
-        new = dataclasses.replace(self, **changes, generation=self.generation + 1)
-        new.validate(limits, changed=set(changes))
         return new
 
     def knobs(self) -> dict[str, Any]:
