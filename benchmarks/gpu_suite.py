@@ -52,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="of the throughput and batch-1 parts (the greedy check runs fp32 and bf16)")
     p.add_argument("--greedy-tokens", type=int, default=32)
     p.add_argument("--greedy-prompts", type=int, default=len(GREEDY_PROMPTS))
+    p.add_argument("--greedy-dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-num-seqs", type=int, default=128)
@@ -65,9 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.greedy_tokens, args.greedy_prompts, args.num_requests, args.repeats = 8, 2, 8, 1
-        if args.device == "cpu":
-            args.dtype = "float32"  # the engine's fast CPU path; bf16 on the CPU is the torch path
-        args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_bytes = 8, 256, 256 << 20
+        if args.device == "cpu":  # the engine's fast CPU path; bf16 on the CPU is the slow torch path
+            args.dtype, args.greedy_dtypes = "float32", ["float32"]
+        args.max_num_seqs, args.max_num_batched_tokens, args.kv_cache_bytes = 8, 256, 512 << 20
         args.batch1_tokens, args.batch1_repeats, args.copy_gib = 16, 2, 0.25
     return args
 
@@ -114,7 +115,7 @@ def greedy_check(args: argparse.Namespace, torch: Any, model_dir: Path) -> dict[
     torch.backends.cudnn.allow_tf32 = False
     texts = GREEDY_PROMPTS[: args.greedy_prompts]
     result: dict[str, Any] = {"tokens": args.greedy_tokens, "prompts": len(texts)}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in args.greedy_dtypes:
         llm = engine(args, dtype, max_num_seqs=16, max_num_batched_tokens=256, chunk_size=64)
         prompts = [list(llm.tokenizer(p)["input_ids"]) for p in texts]
         outs = llm.generate(prompts, SamplingParams(max_tokens=args.greedy_tokens, temperature=0.0))
@@ -232,11 +233,13 @@ def main(argv: list[str] | None = None) -> int:
         if name in args.skip:
             continue
         log(f"{name}: start ({time.perf_counter() - started:.0f} s in)")
+        section_start = time.perf_counter()
         try:
             report[name] = section()
         except Exception as error:  # one failing part still leaves the others' figures in the JSON
             report[name] = {"error": f"{type(error).__name__}: {error}"}
             log(f"{name}: FAILED {type(error).__name__}: {error}")
+        report[name]["section_wall_s"] = time.perf_counter() - section_start
     report["wall_s"] = time.perf_counter() - started
     report["meets_targets"] = {
         "greedy_fp32_identical": report.get("greedy", {}).get("float32", {}).get("identical"),
