@@ -248,8 +248,9 @@ def test_forward_on_the_triton_kernels_matches_the_torch_path(block_size: int, d
 
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_the_cuda_graph_buffers_and_padding_give_the_forward_pass(block_size: int) -> None:
-    """A decode step of 3 sequences in a bucket of 8 (engine/cuda_graphs.py), its body run eagerly (graphs need a
-    GPU): the padded rows write nothing to the cache, and the real rows' hidden states are the plain forward's."""
+    """A decode step of 3 sequences in a bucket of 4 (engine/cuda_graphs.py), captured and replayed on a GPU, its
+    body run eagerly on a CPU: the padded rows write nothing to the cache, and the real rows' hidden states are the
+    plain forward's."""
     from engine.cuda_graphs import CapturedDecode, bucket
 
     _, triton_model = models(torch.float32)
@@ -257,11 +258,11 @@ def test_the_cuda_graph_buffers_and_padding_give_the_forward_pass(block_size: in
     expected_cache, got_cache = (random_cache(triton_model.config, block_size, torch.float32) for _ in range(2))
     ids, positions, meta = prepared(triton_model, expected_cache, scheduled)
     expected = triton_model.forward(ids, positions, meta, expected_cache)
-    captured = CapturedDecode(triton_model, got_cache, bucket(3), capture=False)
+    captured = CapturedDecode(triton_model, got_cache, bucket(3), capture=DEVICE.type == "cuda")
     assert captured.size == 4
     got = captured.run(ids, positions, meta.decode_groups[0], meta.slot_mapping)
     torch.testing.assert_close(got, expected)  # close, not equal: matmuls of 4 rows may round unlike 3 rows'
-    written = torch.zeros(got_cache.num_blocks * block_size, dtype=torch.bool)
+    written = torch.zeros(got_cache.num_blocks * block_size, dtype=torch.bool, device=DEVICE)
     written[meta.slot_mapping] = True
     for got_pool, expected_pool in ((got_cache.key, expected_cache.key), (got_cache.value, expected_cache.value)):
         flat_got, flat_expected = (pool.view(pool.shape[0], -1, *pool.shape[3:]) for pool in (got_pool,
