@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch1-repeats", type=int, default=6)
     p.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the bandwidth-test tensor")
     p.add_argument("--bandwidth-passes", type=int, default=10)
+    p.add_argument("--device", default="cpu", help="torch device of every system (benchmarks/gpu_suite.py: cuda)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights, activations and KV cache of every system")
     p.add_argument("--skip", nargs="*", default=[], choices=["engine", "static", "hf_cb", "batch1"],
                    help="systems to leave out")
     p.add_argument("--out", type=Path, default=Path("engine_throughput.json"), help="where the JSON result goes")
@@ -198,7 +201,7 @@ class EngineSystem:
 
         self.args = args
         self.requests = requests
-        self.llm = LLM(model=args.model, dtype="float32", max_num_seqs=args.max_num_seqs,
+        self.llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                        kv_cache_bytes=args.kv_cache_bytes)
 
@@ -315,8 +318,9 @@ def run_batch1(args: argparse.Namespace, llm: Any, vocab_size: int, torch: Any) 
 def load_hf_model(args: argparse.Namespace, model_dir: Path, torch: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    return model.eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype),
+                                                 attn_implementation="sdpa")
+    return model.to(args.device).eval()
 
 
 class StaticSystem:
@@ -338,6 +342,7 @@ class StaticSystem:
             mask[row, width - len(r.prompt):] = 1
         steps = max(r.output_len for r in batch)  # the batch waits for its longest request
         with torch.inference_mode():
+            ids, mask = ids.to(self.model.device), mask.to(self.model.device)
             out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
                                       do_sample=False, pad_token_id=pad_id)
         new = out[:, width:]
@@ -381,7 +386,8 @@ class HFContinuousBatchingSystem:
         self.args, self.model, self.requests, self.torch = args, model, requests, torch
         text_cfg = model.config.get_text_config()
         head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
-        kv_bytes_per_token = 2 * text_cfg.num_hidden_layers * text_cfg.num_key_value_heads * head_dim * 4
+        element = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
+        kv_bytes_per_token = 2 * text_cfg.num_hidden_layers * text_cfg.num_key_value_heads * head_dim * element
         cb_kwargs: dict[str, Any] = {}
         if args.hf_page_size is not None:
             cb_kwargs["page_size"] = args.hf_page_size
@@ -392,7 +398,9 @@ class HFContinuousBatchingSystem:
                                            eos_token_id=-1, pad_token_id=model.generation_config.pad_token_id)
         self.cb_config = ContinuousBatchingConfig(
             num_blocks=num_blocks, max_batch_tokens=args.max_num_batched_tokens,
-            max_requests_per_batch=args.max_num_seqs, use_cuda_graph=False, default_compile_level=0, **cb_kwargs)
+            max_requests_per_batch=args.max_num_seqs, default_compile_level=0,
+            # on a GPU transformers decides (None: its own rule); on the CPU there are none
+            use_cuda_graph=None if args.device.startswith("cuda") else False, **cb_kwargs)
         self.hints = WorkloadHints(max_prompt_length=max(len(r.prompt) for r in requests),
                                    max_generated_length=max(r.output_len for r in requests),
                                    num_requests=len(requests))

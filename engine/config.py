@@ -11,10 +11,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine.knobs import KNOB_BY_NAME, KNOB_NAMES, RELAYOUT_KNOBS
+from engine.knobs import KNOB_BY_NAME, KNOB_NAMES, LOAD_TIME_KNOBS, RELAYOUT_KNOBS
 
 PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+KernelBackend = Literal["auto", "torch", "cpp", "triton"]  # engine/kernel_backend.py resolves auto
 
 __all__ = ["RELAYOUT_KNOBS", "ConfigError", "EngineConfig", "ModelLimits", "PreemptionMode", "SchedulingPolicy"]
 
@@ -57,6 +58,7 @@ class EngineConfig:
     swap_space_bytes: int = _default("swap_space_bytes")
     enable_prefix_caching: bool = _default("enable_prefix_caching")
     scheduling_policy: SchedulingPolicy = _default("scheduling_policy")
+    kernel_backend: KernelBackend = _default("kernel_backend")  # load-time (engine/kernel_backend.py)
     generation: int = 0
 
     @classmethod
@@ -75,6 +77,10 @@ class EngineConfig:
         _reject_unknown(changes)
         new = dataclasses.replace(self, **changes, generation=self.generation + 1)
         new.validate(limits, changed=set(changes))
+        for knob in LOAD_TIME_KNOBS & set(changes):
+            if changes[knob] != getattr(self, knob):
+                raise ConfigError(knob, changes[knob], f"is chosen when the engine starts (it is "
+                                  f"{getattr(self, knob)!r}); restart the engine to change it")
         return new
 
     def knobs(self) -> dict[str, Any]:
@@ -94,6 +100,12 @@ class EngineConfig:
 
     def num_swap_blocks(self, limits: ModelLimits) -> int:
         return self.swap_space_bytes // (limits.kv_bytes_per_token * self.block_size)
+
+    def resolved_kernel_backend(self, device: Any, dtype: Any) -> str:
+        """What `kernel_backend` means on this torch device and dtype (ConfigError when it cannot run there)."""
+        from engine.kernel_backend import resolve_kernel_backend  # imports torch; the config itself does not
+
+        return resolve_kernel_backend(self.kernel_backend, device, dtype)
 
     def max_prefill_tokens_per_step(self) -> int:
         return max(1, int(self.max_num_batched_tokens * self.prefill_token_ratio))

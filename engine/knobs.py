@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Applied = Literal["next_step", "relayout"]
+Applied = Literal["next_step", "relayout", "load_time"]
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,9 @@ class Knob:
     default: Any
     help: str
     label: str  # short name for tables and hover texts
-    applied: Applied = "next_step"  # "relayout": the KV cache is laid out anew (running sequences recomputed)
+    # "relayout": the KV cache is laid out anew (running sequences recomputed); "load_time": chosen when the engine
+    # starts (an update may repeat the value, not change it)
+    applied: Applied = "next_step"
     low: float | None = None
     high: float | None = None
     low_open: bool = False
@@ -142,11 +144,14 @@ KNOBS: tuple[Knob, ...] = (
          vllm_flag="--enable-prefix-caching"),
     Knob("scheduling_policy", str, "fcfs", "order of admission", "policy", choices=("fcfs", "priority"),
          vllm_flag="--scheduling-policy"),
+    Knob("kernel_backend", str, "auto", "kernels of the layer ops (auto: by device and dtype)", "kernels",
+         "load_time", choices=("auto", "torch", "cpp", "triton"), vllm_note="picks slotune's kernels; vLLM has its own"),
 )
 KNOB_BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
 KNOB_NAMES: tuple[str, ...] = tuple(KNOB_BY_NAME)
 # Knobs that need the KV cache laid out anew when they change (running sequences are recomputed).
 RELAYOUT_KNOBS = frozenset(k.name for k in KNOBS if k.applied == "relayout")
+LOAD_TIME_KNOBS = frozenset(k.name for k in KNOBS if k.applied == "load_time")
 
 
 def knob(name: str) -> Knob:

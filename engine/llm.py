@@ -14,7 +14,7 @@ from engine.step_record import StepRecord
 class LLM:
     def __init__(self, model: str | Path | None = None, **kwargs: Any) -> None:
         """`model`: None for the default model, a Hugging Face folder or a .gguf file. Other keyword arguments
-        are knobs of `EngineConfig` or engine options (dtype, device, cache_dir, seed, step_log)."""
+        are knobs of `EngineConfig` or engine options (dtype, device, cache_dir, seed, step_log, cuda_graphs)."""
         self.engine = LLMEngine(model, **kwargs)
 
     @property

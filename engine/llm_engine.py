@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
@@ -37,6 +38,8 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.step_record import StepRecord, StepRecorder
 
+logger = logging.getLogger("slotune.engine")
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -59,7 +62,9 @@ class _Request:
 class LLMEngine:
     def __init__(self, model: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu",
                  cache_dir: str | Path | None = None, seed: int = 0, step_log: str | Path | None = None,
-                 step_record_capacity: int = 10_000, **knobs: Any) -> None:
+                 step_record_capacity: int = 10_000, cuda_graphs: bool = True, **knobs: Any) -> None:
+        """cuda_graphs: replay decode steps from CUDA graphs on a GPU with the Triton backend
+        (engine/cuda_graphs.py; SLOTUNE_CUDA_GRAPHS=0 also turns them off)."""
         if dtype not in DTYPES:
             raise ValueError(f"invalid dtype={dtype!r}: must be one of {', '.join(DTYPES)}")
         from transformers import AutoTokenizer  # loading only
@@ -75,9 +80,13 @@ class LLMEngine:
         self.config = EngineConfig.create(self.limits, **knobs)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
-        self.model = LlamaModel(self.model_config, load_state_dict(self.model_dir), self.dtype, self.device)
+        self.kernel_backend = self.config.resolved_kernel_backend(self.device, self.dtype)
+        logger.info("kernel backend: %s (kernel_backend=%s, device %s, %s)", self.kernel_backend,
+                    self.config.kernel_backend, self.device, dtype)
+        self.model = LlamaModel(self.model_config, load_state_dict(self.model_dir), self.dtype, self.device,
+                                self.kernel_backend)
         self.scheduler = Scheduler(self.config, self.limits)
-        self.runner = ModelRunner(self.model, self._new_kv_cache(self.config), seed=seed)
+        self.runner = ModelRunner(self.model, self._new_kv_cache(self.config), seed=seed, cuda_graphs=cuda_graphs)
         self.recorder = StepRecorder(step_record_capacity, step_log)
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}

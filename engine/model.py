@@ -4,6 +4,7 @@ token; q/k/v and gate/up projections are fused into one matmul each to save pass
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from engine import fused_layers
 from engine.attention import AttentionMetadata, paged_attention
+from engine.kernel_backend import resolve_kernel_backend
 from engine.kv_cache import KVCache
 from engine.model_loader import ModelConfig
 
@@ -29,10 +31,11 @@ class LayerWeights:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, kernel_backend: str = "auto") -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.kernel_backend = resolve_kernel_backend(kernel_backend, device, dtype)  # engine/kernel_backend.py
 
         def weight(name: str) -> torch.Tensor:
             if name not in state:
@@ -64,11 +67,12 @@ class LlamaModel:
         self.scale = head_dim ** -0.5
         self.inv_freq = 1.0 / (config.rope_theta ** (
             torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-        # The C++ kernels (engine/fused_layers.py): fp32 on the CPU only (in bf16 the norm below is not F.rms_norm;
-        # on a GPU torch's own kernels run). `fused_loop` runs the layer loop in C++ (False: the Python loop below,
-        # with the same kernels, for comparisons).
-        self.kernels = fused_layers.load() if dtype == torch.float32 and device.type == "cpu" else None
+        # The C++ kernels (engine/fused_layers.py; backend "cpp"): fp32 on the CPU only (in bf16 the norm below is
+        # not F.rms_norm). `fused_loop` runs the layer loop in C++ (False: the Python loop below, with the same
+        # kernels, for comparisons). The Triton kernels (engine/triton_kernels/; backend "triton"): _triton_layers.
+        self.kernels = fused_layers.load() if self.kernel_backend == "cpp" else None
         self.fused_loop = self.kernels is not None
+        self.triton = importlib.import_module("engine.triton_kernels") if self.kernel_backend == "triton" else None
         if self.kernels is not None:
             self._pack_weights(self.kernels)
         self._fused_weights = [
@@ -107,6 +111,8 @@ class LlamaModel:
         return sum(t.numel() * t.element_size() for t in self._weights_in_forward_order())
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.triton is not None:
+            return self.triton.rms_norm(x, weight, self.config.rms_norm_eps)
         if x.dtype == torch.float32:
             if self.kernels is not None:  # one C++ loop instead of ~7 ATen calls
                 return self.kernels.rms_norm(x, weight, self.config.rms_norm_eps)
@@ -138,6 +144,8 @@ class LlamaModel:
         num_qk_heads = cfg.num_attention_heads + cfg.num_key_value_heads
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self._rope(positions)
+        if self.triton is not None:
+            return self._triton_layers(hidden, cos, sin, meta, kv_cache)
         if self.fused_loop and self.kernels is not None:
             groups, chunks = meta.decode_groups, meta.prefills
             return self.kernels.decoder_layers(  # the loop below, in C++, bit for bit
@@ -174,6 +182,32 @@ class LlamaModel:
                 activated = F.silu(gate) * up
             hidden = self._linear(activated, layer.down, residual=hidden)
         return hidden
+
+    def _triton_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                       kv_cache: KVCache, batch: Any | None = None) -> torch.Tensor:
+        """The layer loop of forward() on the Triton kernels: the residual add happens inside the next RMS norm
+        (same roundings as residual + x, then the norm); the matmuls are torch's (cuBLAS on a GPU). `batch`: the
+        kernels' view of `meta` (engine/triton_kernels/paged_attention.py), given by a captured CUDA graph."""
+        ops, cfg, eps = self.triton, self.config, self.config.rms_norm_eps
+        assert ops is not None
+        if batch is None:
+            batch = ops.TritonBatch.from_metadata(meta, self.device)  # once per step, not per layer
+        residual = hidden
+        x = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
+        for index, layer in enumerate(self.layers):
+            key_cache, value_cache = kv_cache.key[index], kv_cache.value[index]
+            q = ops.rotary_cache_write(F.linear(x, layer.qkv, layer.qkv_bias), cos, sin, meta.slot_mapping,
+                                       key_cache, value_cache, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                       cfg.head_dim)
+            attn = ops.paged_attention(q, key_cache, value_cache, batch, self.scale)
+            x = ops.rms_norm(F.linear(attn.view(-1, self.q_size), layer.o_proj), layer.post_attention_norm, eps,
+                             residual=residual)
+            down = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+            if index + 1 < len(self.layers):
+                x = ops.rms_norm(down, self.layers[index + 1].input_norm, eps, residual=residual)
+            else:
+                residual += down
+        return residual
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
 from engine.sampler import SamplingRow, sample
@@ -28,11 +29,23 @@ class StepTimings:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, seed: int = 0) -> None:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, seed: int = 0, cuda_graphs: bool = True) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = model.device
         self.default_generator = torch.Generator(device="cpu").manual_seed(seed)
+        # Decode steps replayed from CUDA graphs (engine/cuda_graphs.py): on a GPU with the Triton backend only.
+        self.use_cuda_graphs = cuda_graphs and DecodeGraphs.applies(model)
+        self._graphs: DecodeGraphs | None = None
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.use_cuda_graphs:
+            if self._graphs is None or self._graphs.kv_cache is not self.kv_cache:  # a re-laid cache: capture anew
+                self._graphs = DecodeGraphs(self.model, self.kv_cache)
+            hidden = self._graphs.forward(input_ids, positions, meta)
+            if hidden is not None:
+                return hidden
+        return self.model.forward(input_ids, positions, meta, self.kv_cache)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, rows: dict[str, SamplingRow]) -> tuple[list[int | None], StepTimings]:
@@ -44,7 +57,7 @@ class ModelRunner:
             return [], timings
         start = time.perf_counter()
         order, input_ids, positions, meta = self._prepare(out.scheduled)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+        hidden = self._forward(input_ids, positions, meta)
         # The last token of every sequence that samples; `ends` are the sequences' positions in the batch.
         ends: list[int] = []
         sampling: list[int] = []
@@ -57,6 +70,8 @@ class ModelRunner:
                 sampling.append(index)
         logits = self.model.compute_logits(hidden[torch.tensor(ends, dtype=torch.long, device=self.device)]) \
             if ends else None
+        if self.device.type == "cuda":  # the GPU runs ahead of the host: forward_s is the GPU's time too
+            torch.cuda.synchronize(self.device)
         timings.forward_s = time.perf_counter() - start
         start = time.perf_counter()
         tokens: list[int | None] = [None] * len(out.scheduled)
@@ -80,7 +95,7 @@ class ModelRunner:
         slots: list[int] = []
         meta = AttentionMetadata(slot_mapping=torch.empty(0))
 
-        in_place = self.model.kernels is not None
+        in_place = self.model.kernels is not None or self.model.triton is not None  # no gather, no mask
         spread = math.inf if in_place else DECODE_GROUP_SPREAD
         group_start = 0
         while group_start < len(decodes):

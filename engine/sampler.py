@@ -48,4 +48,5 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         drop = cumulative - sorted_probs >= params.top_p
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    # The generators live on the CPU (seeded per request, device-independent draws): a GPU row is drawn there.
+    return int(torch.multinomial(probs.to(generator.device), 1, generator=generator).item())

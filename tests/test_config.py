@@ -42,6 +42,7 @@ def examples(n: int, **more: Any) -> settings:
     ("preemption_mode", "drop", "'recompute' or 'swap'"),
     ("scheduling_policy", "lifo", "'fcfs' or 'priority'"),
     ("enable_prefix_caching", "yes", "true or false"),
+    ("kernel_backend", "cuda", "'auto', 'torch', 'cpp', 'triton'"),
 ])
 def test_bad_value_names_knob_value_and_range(knob: str, value: Any, allowed: str) -> None:
     base = EngineConfig.create(LIMITS, **SMALL)
