@@ -40,9 +40,10 @@ def engine() -> Iterator[SubprocessServer]:
 
 
 def test_a_move_that_breaks_the_slo_is_rolled_back_at_once(engine: SubprocessServer, tmp_path: Path) -> None:
-    # max_num_seqs 1 serves these requests one at a time: the queue, and with it the TTFT, grows without bound.
+    # max_num_seqs 1 serves these requests one at a time (~0.4 s each on an idle 2-core machine, so at most ~2.5
+    # req/s): at 6 req/s the queue, and with it the TTFT, grows without bound on any machine this runs on.
     policy = write_policy(tmp_path / "policy.yaml")
-    traffic = start_traffic(engine.url, tmp_path / "load", "short=16:16", 2.0, "40s")
+    traffic = start_traffic(engine.url, tmp_path / "load", "short=16:32", 6.0, "40s")
     log = tmp_path / "controller.jsonl"
     controller = start_controller(engine.url, policy, log, "--propose", '{"max_num_seqs": 1}')
     try:
