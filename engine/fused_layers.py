@@ -1,15 +1,15 @@
-"""The engine's C++ kernels, engine/fused_layers.cpp, built once with torch.utils.cpp_extension (g++ and ninja)
-into the cache folder, for this CPU (-march=native; the folder is named after the CPU's model and features):
+"""The engine's C++ kernels, engine/csrc/ (one .cpp file per concept: work pool, SIMD helpers, linear kernels, decode
+attention, norms and rotary, the layer loop, the Python bindings), built once with torch.utils.cpp_extension (g++ and
+ninja) into the cache folder, for this CPU (-march=native; the folder is named after the CPU's model and features):
 
 - ``decoder_layers``: the decoder's layer loop of one step (decode groups and prefill chunks) as one C++ call to the
   same ops in the same order as LlamaModel.forward and paged_attention. A batch-1 decode step is ~1,700 small
   ATen calls besides its ~120 matrix-vector products; from Python each costs a few microseconds of binding
-  overhead, together a sixth of the step on a CPU.
+  overhead.
 - ``linear``: residual + at::linear, with a streaming kernel for fp32 inputs of at most 6 rows (decode steps of a
-  few sequences), which reads the weights at 2-3x the bandwidth of MKL's sgemv on AMD EPYC, and register tiles for
-  more rows up to a limit measured once per machine against at::linear (``tiled_rows_limit``; on AMD EPYC the
-  tiles beat MKL's sgemm up to 256+ rows, so steps with a prefill chunk gain too).
-- The kernels' loops run on torch's thread count through the work pool in fused_layers.cpp (not ATen's
+  few sequences), which reads the weights at the bandwidth torch.sum reads at, and register tiles for more rows up
+  to a limit measured once per machine against at::linear (``tiled_rows_limit``).
+- The kernels' loops run on torch's thread count through the work pool in csrc/work_pool.h (not ATen's
   parallel_for: without -fopenmp it compiles to a serial loop, and OpenMP's barrier stalls beside a busy process).
 - ``decode_attention``: one query per sequence against its keys and values read in place through the block table;
   the query heads that share a KV head read each key and value row once, and at small batches each context is split
@@ -20,7 +20,8 @@ into the cache folder, for this CPU (-march=native; the folder is named after th
 
 Both layer loops (C++ and Python) use these kernels, so they stay bit-identical to each other; against torch's ops
 they differ in the last bits (summation order, exp), which tests/test_fused_layers.py bounds and the greedy
-equivalence tests against transformers check end to end.
+equivalence tests against transformers check end to end. What the design choices were measured against is in
+BENCHMARKS.md ("The kernels' design measurements").
 
 ``load()`` returns the built module, or None when it is turned off (SLOTUNE_FUSED_LAYERS=0) or cannot be built
 (then the Python layer loop and torch's ops run, after one warning)."""
@@ -44,7 +45,7 @@ from engine.model_loader import default_cache_dir
 
 ENV_SWITCH = "SLOTUNE_FUSED_LAYERS"  # "0": never build or use it
 TILED_ROWS_ENV = "SLOTUNE_TILED_ROWS"  # overrides the measured limit of the tiled linear (6: tiles off)
-SOURCE = Path(__file__).with_name("fused_layers.cpp")
+SOURCE_DIR = Path(__file__).with_name("csrc")  # headers (*.h) and translation units (*.cpp)
 
 
 def enabled() -> bool:
@@ -64,20 +65,32 @@ def cpu_tag() -> str:
     return hashlib.sha1(described.encode()).hexdigest()[:10]
 
 
+def source_tag() -> str:
+    """A short hash of the kernels' sources: each version builds in its own folder (a cache folder shared by
+    checkouts of different versions would otherwise rebuild, or race, in one)."""
+    digest = hashlib.sha1()
+    for path in sorted(SOURCE_DIR.glob("*.[ch]*")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:10]
+
+
 @functools.cache
 def load() -> Any | None:
     if not enabled():
         return None
     from torch.utils.cpp_extension import load as build_extension
 
-    build_dir = default_cache_dir() / "extensions" / f"fused_layers-torch{torch.__version__}-cpu{cpu_tag()}"
+    build_dir = (default_cache_dir() / "extensions" /
+                 f"fused_layers-torch{torch.__version__}-cpu{cpu_tag()}-src{source_tag()}")
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
         print(f"slotune: building the engine's C++ kernels in {build_dir} (once; about half a minute)...",
               file=sys.stderr, flush=True)
     try:
-        module = build_extension(name="slotune_fused_layers", sources=[str(SOURCE)], build_directory=str(build_dir),
-                                 extra_cflags=["-O3", "-march=native"], verbose=False)
+        sources = [str(path) for path in sorted(SOURCE_DIR.glob("*.cpp"))]
+        module = build_extension(name="slotune_fused_layers", sources=sources, build_directory=str(build_dir),
+                                 extra_cflags=["-O3", "-march=native"],
+                                 extra_include_paths=[str(SOURCE_DIR)], verbose=False)
     except Exception as error:  # no compiler, no ninja, a broken toolchain: decoding still works, only slower
         warnings.warn(f"slotune: the C++ kernels could not be built ({str(error).splitlines()[0]}); "
                       f"steps run the Python layer loop and torch's ops instead (slower; {ENV_SWITCH}=0 skips the "

@@ -89,7 +89,7 @@ class LlamaModel:
         return tensors + [self.final_norm, self.lm_head]
 
     def _pack_weights(self, kernels: Any) -> None:
-        """Moves the weights into one buffer in forward order on 2 MB pages (engine/fused_layers.cpp, pack_weights):
+        """Moves the weights into one buffer in forward order on 2 MB pages (engine/csrc/pack_weights.cpp):
         a decode step streams them all, and on 4 KB pages every 4 KB of each stream is a TLB miss."""
         packed = iter(kernels.pack_weights(self._weights_in_forward_order()))
         tied = self.lm_head is self.embed_tokens

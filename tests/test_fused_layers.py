@@ -1,7 +1,7 @@
-"""The C++ kernels (engine/fused_layers.cpp): the fused layer loop computes exactly what the Python layer loop
-computes (same hidden states, same KV cache writes, bit for bit), and the small-batch linear agrees with ATen's to
-float rounding, takes a bias, and leaves larger batches to ATen. That greedy outputs stay token-identical to
-transformers with both is tests/test_engine_equivalence.py's job."""
+"""The C++ kernels (engine/csrc/, built by engine/fused_layers.py): the fused layer loop computes exactly what the
+Python layer loop computes (same hidden states, same KV cache writes, bit for bit), and the small-batch linear agrees
+with ATen's to float rounding, takes a bias, and leaves larger batches to ATen. That greedy outputs stay token-identical
+to transformers with both is tests/test_engine_equivalence.py's job."""
 
 from __future__ import annotations
 
