@@ -43,6 +43,7 @@ import torch
 
 from engine.model_loader import default_cache_dir
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the weights' and KV cache's dtypes the kernels take
 ENV_SWITCH = "SLOTUNE_FUSED_LAYERS"  # "0": never build or use it
 TILED_ROWS_ENV = "SLOTUNE_TILED_ROWS"  # overrides the measured limit of the tiled linear (6: tiles off)
 SOURCE_DIR = Path(__file__).with_name("csrc")  # headers (*.h) and translation units (*.cpp)
