@@ -17,7 +17,7 @@ from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, paged
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(max_num_seqs=8, max_num_batched_tokens=128, block_size=16)
+    return LLM(dtype="float32", max_num_seqs=8, max_num_batched_tokens=128, block_size=16)
 
 
 def decode_only() -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
