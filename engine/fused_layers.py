@@ -14,6 +14,11 @@ ninja) into the cache folder, for this CPU (-march=native; the folder is named a
 - ``decode_attention``: one query per sequence against its keys and values read in place through the block table;
   the query heads that share a KV head read each key and value row once, and at small batches each context is split
   into slices (merged after) so that both threads work.
+- bf16 weights and KV cache (engine/model.py keeps activations, norms and biases fp32): ``linear`` takes a bf16
+  weight with an fp32 input (AVX512-BF16 ``vdpbf16ps`` on the input rounded to bf16 where the CPU has it, checked at
+  run time; else the weights widened to fp32 by a shift; ``set_bf16_kernel`` picks one), tiles up to their own
+  measured limit and at::linear in bf16 above it (oneDNN: AMX where the CPU has it); ``decode_attention`` and
+  ``rotary_cache_write`` take bf16 caches; ``bf16_speedup`` is what dtype "auto" (engine/precision.py) decides by.
 - ``pack_weights``: the model's weights, in the order a forward pass reads them, in one buffer on 2 MB pages.
 - ``rms_norm``, ``rotary_cache_write`` (rotary queries and keys, new keys and values into the cache) and
   ``silu_and_mul``: one loop each instead of several ATen calls.

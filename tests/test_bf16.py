@@ -164,16 +164,16 @@ def test_bf16_greedy_tokens_match_transformers_bf16_and_fp32_on_most_prompts(
     ours = [o.token_ids for o in bf16.generate(mixed_prompts, GREEDY)]
     assert bf16.engine.scheduler.kv.num_used_blocks == 0
     theirs = []
+    sample = range(0, len(mixed_prompts), 2)  # every other prompt: transformers generates one at a time
     with torch.inference_mode():
-        for prompt in mixed_prompts:
-            ids = torch.tensor([prompt])
+        for i in sample:
+            ids = torch.tensor([mixed_prompts[i]])
             out = hf_bf16.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=REFERENCE_MAX_TOKENS,
                                    do_sample=False)
-            theirs.append(out[0, len(prompt):].tolist())
-    n = len(mixed_prompts)
+            theirs.append(out[0, ids.shape[1]:].tolist())
     # 32 greedy tokens: bf16 rounding lets a near-tie flip and the continuation diverge on a few prompts
-    assert matching_prompts(ours, reference_outputs) >= 0.75 * n, (ours, reference_outputs)
-    assert matching_prompts(ours, theirs) >= 0.5 * n, (ours, theirs)
+    assert matching_prompts(ours, reference_outputs) >= 0.75 * len(ours), (ours, reference_outputs)
+    assert matching_prompts([ours[i] for i in sample], theirs) >= 0.5 * len(theirs), (ours, theirs)
     assert all(o[:4] == e[:4] for o, e in zip(ours, reference_outputs, strict=True))
 
 
