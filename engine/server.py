@@ -400,7 +400,8 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings, metrics: Server
             return json_response({"status": "dead" if engine_loop.dead else "starting"}, 503)
         if engine_loop.draining:
             return json_response({"status": "draining"}, 503)
-        return json_response({"status": "ok", "model": model_name, "config_generation": s.config.generation,
+        return json_response({"status": "ok", "model": model_name, "dtype": engine_loop.engine.dtype_choice.name,
+                              "config_generation": s.config.generation,
                               "num_running": s.num_running, "num_waiting": s.num_waiting,
                               "num_preempted": s.num_preempted, "kv_cache_usage": s.kv_cache_usage,
                               "last_step": s.last_step})
