@@ -168,7 +168,7 @@ def _best_times(linears: list[Any], weights: list[list[torch.Tensor]], m: int, r
 
 def measure_tiled_rows_limit(module: Any, rows: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512),
                              weight_bytes: int = 64 << 20, bf16: bool = False) -> tuple[int, dict[str, list[float]]]:
-    """The largest row count (of ``rows``, and all smaller ones) at which the tiles are faster than at::linear (for
+    """The largest row count of ``rows`` at which the tiles are faster than at::linear (for
     bf16 weights: at::linear in bf16, what ``linear`` runs above its limit), over weights of a decoder's shapes
     larger than the last-level cache (6 = tiles never)."""
     weights = _decoder_weights(weight_bytes, torch.bfloat16 if bf16 else torch.float32)
@@ -179,12 +179,11 @@ def measure_tiled_rows_limit(module: Any, rows: tuple[int, ...] = (8, 16, 32, 64
     limit, timings, previous = 6, {}, module.get_tiled_rows_limit(bf16)
     module.set_tiled_rows_limit(max(rows), bf16)
     try:
-        for m in rows:
+        for m in rows:  # all of them: one pass slowed by load from elsewhere must not end the search
             tiled, blas = _best_times([lambda x, w: module.linear(x, w, None, None), library], [weights, weights], m)
             timings[str(m)] = [tiled, blas]
-            if tiled > blas:
-                break
-            limit = m
+            if tiled <= blas:
+                limit = m
     finally:
         module.set_tiled_rows_limit(previous, bf16)
     return limit, timings
