@@ -95,10 +95,25 @@ class VllmWorker:
             env["VLLM_CPU_OMP_THREADS_BIND"] = spec["threads_bind"]
         self.log = log.open("w")
         self.process = subprocess.Popen([str(python), __file__, "worker", json.dumps(spec)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+                                        stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
+                                        start_new_session=True)  # its own process group, for kill()
         self.replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()  # never lets the pipe fill
-        self.ready = self._read(timeout_s)
+        try:
+            self.ready = self._read(timeout_s)
+        except (RuntimeError, TimeoutError):
+            self.kill()  # a worker that did not start in time leaves nothing running
+            raise
+
+    def kill(self) -> None:
+        """The worker and the processes it started (vLLM's engine core and its workers: one process group)."""
+        import signal
+
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
 
     def _pump(self) -> None:
         assert self.process.stdout is not None
@@ -132,8 +147,7 @@ class VllmWorker:
                 self.ask({"op": "quit"}, timeout_s=60)
             self.process.wait(timeout=60)
         except (OSError, RuntimeError, TimeoutError, subprocess.TimeoutExpired):
-            self.process.kill()
-            self.process.wait()
+            self.kill()
         if not self.log.closed:
             self.log.flush()
 
