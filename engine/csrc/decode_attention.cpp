@@ -17,11 +17,17 @@
 // both threads have work (batch 1 would be one task), and the slices' partial results are merged after.
 
 constexpr int64_t kTokenGroup = 16;
-alignas(64) static const float kZeroRow[256] = {};  // stands in for the missing rows of a last, partial group
+// Zeros that stand in for the missing rows of a last, partial group (T: the cache's element, float or bf16).
+template <typename T>
+static const T* zero_row() {
+  alignas(64) static const T zeros[256] = {};
+  return zeros;
+}
 
-// rows[i] = the cache row of token t0 + i (i < count), through the block table; `stride` floats per token.
-static inline void token_rows(const float* cache, const int64_t* table, int64_t t0, int64_t count,
-                              int64_t block_size, int64_t stride, const float** rows) {
+// rows[i] = the cache row of token t0 + i (i < count), through the block table; `stride` elements per token.
+template <typename T>
+static inline void token_rows(const T* cache, const int64_t* table, int64_t t0, int64_t count,
+                              int64_t block_size, int64_t stride, const T** rows) {
   int64_t b = t0 / block_size, i = t0 - b * block_size;
   for (int64_t t = 0; t < count; ++t) {
     rows[t] = cache + (table[b] * block_size + i) * stride;
@@ -48,11 +54,11 @@ static inline Vec16 transpose_sum16(Vec16 (&v)[16]) {
 
 // scores[i] = scale * q . rows[i][offset..] for a group of 16 tokens (head size 16 * DV; rows past `count` read
 // zeros). Writes all 16 scores.
-template <int DV>
-static inline void score_group(const float* q, const float* const* rows, int64_t offset, int64_t count, float scale,
+template <int DV, typename T>
+static inline void score_group(const float* q, const T* const* rows, int64_t offset, int64_t count, float scale,
                                float* scores) {
-  const float* r[kTokenGroup];
-  for (int64_t i = 0; i < kTokenGroup; ++i) r[i] = i < count ? rows[i] + offset : kZeroRow;
+  const T* r[kTokenGroup];
+  for (int64_t i = 0; i < kTokenGroup; ++i) r[i] = i < count ? rows[i] + offset : zero_row<T>();
   Vec16 acc[kTokenGroup] = {};
   for (int v = 0; v < DV; ++v) {
     const Vec16 qv = load16(q + 16 * v);
@@ -64,8 +70,8 @@ static inline void score_group(const float* q, const float* const* rows, int64_t
 }
 
 // out_h += sum_i weights[h][i] * rows[i][offset..] for H query heads (head size 16 * DV) and `count` tokens.
-template <int DV, int H>
-static inline void accumulate_group(const float* weights, int64_t weight_stride, const float* const* rows,
+template <int DV, int H, typename T>
+static inline void accumulate_group(const float* weights, int64_t weight_stride, const T* const* rows,
                                     int64_t offset, int64_t count, float* out) {
   Vec16 acc[H][DV];
   for (int h = 0; h < H; ++h)
@@ -107,12 +113,12 @@ static inline Partial softmax_weights(float* scores, int64_t n) {
 // the heads' scores of tokens offset.. (scores: heads rows of `width` >= the slice rounded up to 16 floats), which
 // then become softmax weights (partials: [heads]); accumulate(rows, offset, count) adds the weighted values into
 // outputs ([heads, dim], unnormalized).
-template <typename Score, typename Accumulate>
-static inline void attend_slice_passes(const float* key_cache, const float* value_cache, const int64_t* table,
+template <typename T, typename Score, typename Accumulate>
+static inline void attend_slice_passes(const T* key_cache, const T* value_cache, const int64_t* table,
                                        int64_t first, int64_t last, int64_t block_size, int64_t stride,
                                        int64_t heads, int64_t dim, float* scores, int64_t width, Partial* partials,
                                        float* outputs, const Score& score, const Accumulate& accumulate) {
-  const float* rows[kTokenGroup];
+  const T* rows[kTokenGroup];
   for (int64_t t0 = first; t0 < last; t0 += kTokenGroup) {
     const int64_t count = std::min(kTokenGroup, last - t0);
     token_rows(key_cache, table, t0, count, block_size, stride, rows);
@@ -128,18 +134,18 @@ static inline void attend_slice_passes(const float* key_cache, const float* valu
 }
 
 // All query heads of one sequence over its tokens first..last-1, for a head size of 16 * DV.
-template <int DV>
-static void attend_slice(const float* q, const float* key_cache, const float* value_cache, const int64_t* table,
+template <int DV, typename T>
+static void attend_slice(const float* q, const T* key_cache, const T* value_cache, const int64_t* table,
                          int64_t first, int64_t last, int64_t block_size, int64_t heads, int64_t kv_heads,
                          float scale, float* scores, int64_t width, Partial* partials, float* outputs) {
   constexpr int64_t dim = 16 * DV;
   constexpr int64_t kMaxHeads = std::max(1, 16 / DV);  // running sums of at most 16 registers
   const int64_t group = heads / kv_heads;
-  const auto score = [&](const float* const* rows, int64_t offset, int64_t count) {
+  const auto score = [&](const T* const* rows, int64_t offset, int64_t count) {
     for (int64_t h = 0; h < heads; ++h)
       score_group<DV>(q + h * dim, rows, h / group * dim, count, scale, scores + h * width + offset);
   };
-  const auto accumulate = [&](const float* const* rows, int64_t offset, int64_t count) {
+  const auto accumulate = [&](const T* const* rows, int64_t offset, int64_t count) {
     for (int64_t kv_head = 0; kv_head < kv_heads; ++kv_head)
       for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h += kMaxHeads) {
         const float* w = scores + h * width + offset;
@@ -157,22 +163,23 @@ static void attend_slice(const float* q, const float* key_cache, const float* va
 }
 
 // The same for any head size (scalar loops; no model this engine serves by default has one).
-static void attend_slice_any(const float* q, const float* key_cache, const float* value_cache, const int64_t* table,
+template <typename T>
+static void attend_slice_any(const float* q, const T* key_cache, const T* value_cache, const int64_t* table,
                              int64_t first, int64_t last, int64_t block_size, int64_t heads, int64_t kv_heads,
                              int64_t dim, float scale, float* scores, int64_t width, Partial* partials,
                              float* outputs) {
   const int64_t group = heads / kv_heads;
-  const auto score = [&](const float* const* rows, int64_t offset, int64_t count) {
+  const auto score = [&](const T* const* rows, int64_t offset, int64_t count) {
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t i = 0; i < count; ++i)
         scores[h * width + offset + i] = dot(q + h * dim, rows[i] + h / group * dim, dim) * scale;
   };
-  const auto accumulate = [&](const float* const* rows, int64_t offset, int64_t count) {
+  const auto accumulate = [&](const T* const* rows, int64_t offset, int64_t count) {
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t i = 0; i < count; ++i) {
         const float w = scores[h * width + offset + i];
-        const float* v = rows[i] + h / group * dim;
-        for (int64_t d = 0; d < dim; ++d) outputs[h * dim + d] += w * v[d];
+        const T* v = rows[i] + h / group * dim;
+        for (int64_t d = 0; d < dim; ++d) outputs[h * dim + d] += w * static_cast<float>(v[d]);
       }
   };
   attend_slice_passes(key_cache, value_cache, table, first, last, block_size, kv_heads * dim, heads, dim, scores,
@@ -180,11 +187,14 @@ static void attend_slice_any(const float* q, const float* key_cache, const float
 }
 
 // query [seqs, heads, dim]; caches [blocks, block_size, kv_heads, dim]; block_tables [seqs, >= ceil(context /
-// block_size)]; context_lens [seqs]. Returns [seqs, heads, dim]. fp32 caches only.
+// block_size)]; context_lens [seqs]. Returns [seqs, heads, dim]. An fp32 query; fp32 or bf16 caches (widened to
+// fp32 as they are read; all sums in fp32).
 Tensor decode_attention(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                         const Tensor& block_tables, const Tensor& context_lens, double scale) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
-                  value_cache.scalar_type() == at::kFloat, "decode_attention: fp32 only");
+  const bool bf16 = key_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(query.scalar_type() == at::kFloat && (bf16 || key_cache.scalar_type() == at::kFloat) &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "decode_attention: an fp32 query and fp32 or bf16 caches only");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "decode_attention: contiguous caches only");
   TORCH_CHECK(query.is_cpu() && key_cache.is_cpu() && value_cache.is_cpu(), "decode_attention: CPU tensors only");
   const Tensor q = query.contiguous();
@@ -214,32 +224,39 @@ Tensor decode_attention(const Tensor& query, const Tensor& key_cache, const Tens
   std::vector<Partial> partials(slices * seqs * heads);
   std::vector<float> slice_outputs(slices > 1 ? slices * seqs * heads * dim : 0);
   float* unnormalized = slices > 1 ? slice_outputs.data() : op;
-  const float *qp = q.data_ptr<float>(), *kp = key_cache.data_ptr<float>(), *vp = value_cache.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
   const int64_t* tp = tables.data_ptr<int64_t>();
-  parallel_for(0, seqs * slices, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scores;
-    scores.resize(heads * width);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t slice = task % slices, s = task / slices;
-      const int64_t first = slice * slice_tokens, last = std::min(len_ptr[s], first + slice_tokens);
-      const int64_t at = slice * seqs * heads + s * heads;
-      if (first >= last) {  // a short context in a batch split for a longer one
-        std::fill(partials.begin() + at, partials.begin() + at + heads, Partial{});
-        continue;
+  // the tasks, on the cache's element type
+  const auto attend = [&](const auto* kp, const auto* vp) {
+    parallel_for(0, seqs * slices, 1, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<float> scores;
+      scores.resize(heads * width);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t slice = task % slices, s = task / slices;
+        const int64_t first = slice * slice_tokens, last = std::min(len_ptr[s], first + slice_tokens);
+        const int64_t at = slice * seqs * heads + s * heads;
+        if (first >= last) {  // a short context in a batch split for a longer one
+          std::fill(partials.begin() + at, partials.begin() + at + heads, Partial{});
+          continue;
+        }
+        const float sc = static_cast<float>(scale);
+        const int64_t* table = tp + s * table_width;
+        float* o = unnormalized + at * dim;
+        switch (dim) {
+          case 64: attend_slice<4>(qp + s * heads * dim, kp, vp, table, first, last, block_size, heads, kv_heads, sc,
+                                   scores.data(), width, partials.data() + at, o); break;
+          case 128: attend_slice<8>(qp + s * heads * dim, kp, vp, table, first, last, block_size, heads, kv_heads, sc,
+                                    scores.data(), width, partials.data() + at, o); break;
+          default: attend_slice_any(qp + s * heads * dim, kp, vp, table, first, last, block_size, heads, kv_heads, dim,
+                                    sc, scores.data(), width, partials.data() + at, o); break;
+        }
       }
-      const float sc = static_cast<float>(scale);
-      const int64_t* table = tp + s * table_width;
-      float* o = unnormalized + at * dim;
-      switch (dim) {
-        case 64: attend_slice<4>(qp + s * heads * dim, kp, vp, table, first, last, block_size, heads, kv_heads, sc,
-                                 scores.data(), width, partials.data() + at, o); break;
-        case 128: attend_slice<8>(qp + s * heads * dim, kp, vp, table, first, last, block_size, heads, kv_heads, sc,
-                                  scores.data(), width, partials.data() + at, o); break;
-        default: attend_slice_any(qp + s * heads * dim, kp, vp, table, first, last, block_size, heads, kv_heads, dim,
-                                  sc, scores.data(), width, partials.data() + at, o); break;
-      }
-    }
-  });
+    });
+  };
+  if (bf16)
+    attend(key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>());
+  else
+    attend(key_cache.data_ptr<float>(), value_cache.data_ptr<float>());
   // Merge the slices: out = sum_i exp(m_i - m) o_i / sum_i exp(m_i - m) l_i, m the largest m_i.
   for (int64_t head = 0; head < seqs * heads; ++head) {
     float* dst = op + head * dim;

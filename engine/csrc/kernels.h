@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 #include <vector>
 
 using at::Tensor;
@@ -14,8 +15,10 @@ std::vector<Tensor> pack_weights(const std::vector<Tensor>& tensors);
 // linear.cpp
 Tensor small_batch_linear(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias,
                           const std::optional<Tensor>& residual);
-void set_tiled_rows_limit(int64_t rows);
-int64_t get_tiled_rows_limit();
+void set_tiled_rows_limit(int64_t rows, bool bf16);  // of the fp32 or the bf16-weight kernels
+int64_t get_tiled_rows_limit(bool bf16);
+void set_bf16_kernel(const std::string& kernel);  // "dot" (vdpbf16ps) or "widen" (bf16 -> fp32, fp32 FMAs)
+std::string get_bf16_kernel();
 
 // norm_rotary_silu.cpp
 Tensor rms_norm(const Tensor& input, const Tensor& weight, double eps);

@@ -47,8 +47,10 @@ static Tensor paged_attention(const Tensor& query, const Tensor& key, const Tens
       Tensor v = value.slice(0, start, end).transpose(0, 1).unsqueeze(0);
       o = at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, true, scale, true);
     } else {
-      Tensor k = gather(key_cache, b.prefill_tables[c].unsqueeze(0)).narrow(2, 0, b.prefill_context[c]);
-      Tensor v = gather(value_cache, b.prefill_tables[c].unsqueeze(0)).narrow(2, 0, b.prefill_context[c]);
+      // (a bf16 cache is widened to the query's fp32 first, as in engine/attention.py)
+      const Tensor table = b.prefill_tables[c].unsqueeze(0);
+      Tensor k = gather(key_cache, table).narrow(2, 0, b.prefill_context[c]).to(q.scalar_type());
+      Tensor v = gather(value_cache, table).narrow(2, 0, b.prefill_context[c]).to(q.scalar_type());
       o = at::scaled_dot_product_attention(q, k, v, b.prefill_masks[c], 0.0, false, scale, true);
     }
     out.slice(0, start, end).copy_(o.squeeze(0).transpose(0, 1));

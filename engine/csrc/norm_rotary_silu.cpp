@@ -9,13 +9,17 @@
 // ---- rotary embedding of queries and keys, and the KV cache write, in one pass ----------------------------------
 // qkv [tokens, (heads + 2 kv_heads) * dim] (the fused projection); cos / signed sin [tokens, 1, dim] (engine/model.py's
 // _rope: x * cos + roll(x, dim / 2) * signed_sin); the rotated keys and the values go to their slots in the layer's
-// caches [blocks, block_size, kv_heads, dim]. Returns the rotated queries [tokens, heads, dim] and the rotated keys and
-// values [tokens, kv_heads, dim] (prefill chunks with nothing cached attend to them directly).
+// caches [blocks, block_size, kv_heads, dim] (fp32, or bf16: rounded). Returns the rotated queries [tokens, heads,
+// dim] and the rotated keys and values [tokens, kv_heads, dim] (prefill chunks with nothing cached attend to them
+// directly).
 std::vector<Tensor> rotary_cache_write(const Tensor& qkv, const Tensor& cos, const Tensor& sin,
                                        const Tensor& slot_mapping, const Tensor& layer_keys,
                                        const Tensor& layer_values, int64_t num_heads, int64_t num_kv_heads,
                                        int64_t head_dim) {
-  TORCH_CHECK(qkv.scalar_type() == at::kFloat && layer_keys.scalar_type() == at::kFloat, "rotary_cache_write: fp32 only");
+  const bool bf16 = layer_keys.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && (bf16 || layer_keys.scalar_type() == at::kFloat) &&
+                  layer_values.scalar_type() == layer_keys.scalar_type(),
+              "rotary_cache_write: fp32 qkv and fp32 or bf16 caches only");
   TORCH_CHECK(qkv.is_cpu() && layer_keys.is_cpu() && layer_values.is_cpu(), "rotary_cache_write: CPU tensors only");
   TORCH_CHECK(layer_keys.is_contiguous() && layer_values.is_contiguous(), "rotary_cache_write: contiguous caches only");
   const Tensor in = qkv.contiguous(), c = cos.contiguous(), sn = sin.contiguous();
@@ -29,8 +33,8 @@ std::vector<Tensor> rotary_cache_write(const Tensor& qkv, const Tensor& cos, con
   const float *ip = in.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = sn.data_ptr<float>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  float *key_cache = layer_keys.data_ptr<float>(), *value_cache = layer_values.data_ptr<float>();
   const int64_t kv_width = num_kv_heads * head_dim;
+  void *key_cache = layer_keys.data_ptr(), *value_cache = layer_values.data_ptr();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "rotary_cache_write: slot ", slot[t], " outside the cache");
   parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
@@ -39,15 +43,22 @@ std::vector<Tensor> rotary_cache_write(const Tensor& qkv, const Tensor& cos, con
       const float *ct = cp + t * head_dim, *st = sp + t * head_dim;
       for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
         const float* x = row + h * head_dim;
-        float* out = h < num_heads ? qp + (t * num_heads + h) * head_dim : kp + (t * num_kv_heads + h - num_heads) * head_dim;
+        float* out = h < num_heads ? qp + (t * num_heads + h) * head_dim
+                                   : kp + (t * num_kv_heads + h - num_heads) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) {
           const float a = x[d] * ct[d], b = x[d < half ? d + half : d - half] * st[d];
           out[d] = a + b;
         }
       }
       std::memcpy(vp + t * kv_width, row + (num_heads + num_kv_heads) * head_dim, kv_width * sizeof(float));
-      std::memcpy(key_cache + slot[t] * kv_width, kp + t * kv_width, kv_width * sizeof(float));
-      std::memcpy(value_cache + slot[t] * kv_width, vp + t * kv_width, kv_width * sizeof(float));
+      if (bf16) {
+        store_row(static_cast<c10::BFloat16*>(key_cache) + slot[t] * kv_width, kp + t * kv_width, kv_width);
+        store_row(static_cast<c10::BFloat16*>(value_cache) + slot[t] * kv_width, vp + t * kv_width, kv_width);
+      } else {
+        std::memcpy(static_cast<float*>(key_cache) + slot[t] * kv_width, kp + t * kv_width, kv_width * sizeof(float));
+        std::memcpy(static_cast<float*>(value_cache) + slot[t] * kv_width, vp + t * kv_width,
+                    kv_width * sizeof(float));
+      }
     }
   });
   return {q, k, v};

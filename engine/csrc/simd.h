@@ -1,6 +1,9 @@
 // 16-float vectors (GCC vector extensions, lowered to the widest registers -march=native allows) and the small
-// helpers on them that several kernels share: loads, horizontal sums, dot products, a vectorized exp.
+// helpers on them that several kernels share: loads (from fp32 or bf16), horizontal sums, dot products, a vectorized
+// exp, bf16 rounding.
 #pragma once
+
+#include <c10/util/BFloat16.h>
 
 #include <cstdint>
 #include <cstring>
@@ -27,15 +30,7 @@ inline float sum16(Vec16 v) {
   return (four[0] + four[2]) + (four[1] + four[3]);
 }
 
-// a . b over n floats (the dot products of decode attention and the sum of squares of RMS norm).
-inline float dot(const float* a, const float* b, int64_t n) {
-  Vec16 acc = Vec16{};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
-  float sum = sum16(acc);
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
+
 
 typedef int32_t VecI16 __attribute__((vector_size(64)));
 
@@ -57,4 +52,48 @@ inline Vec16 exp16(Vec16 x) {
   p = p * (r * r) + r + 1.f;
   const VecI16 exponent = (__builtin_convertvector(n, VecI16) + 127) << 23;
   return p * reinterpret_cast<const Vec16&>(exponent);
+}
+
+// ---- bf16: the upper half of an fp32 ----------------------------------------------------------------------------
+// Widened to fp32 by a shift (exact); rounded from fp32 to the nearest, ties to even (as c10::BFloat16 does).
+typedef uint16_t VecU16 __attribute__((vector_size(32)));
+
+inline Vec16 load16(const c10::BFloat16* p) {
+  VecU16 h;
+  std::memcpy(&h, p, sizeof h);
+  const VecI16 bits = __builtin_convertvector(h, VecI16) << 16;
+  Vec16 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+inline void store16(float* p, Vec16 v) { std::memcpy(p, &v, sizeof v); }
+
+typedef uint32_t VecU32 __attribute__((vector_size(64)));
+
+inline void store16(c10::BFloat16* p, Vec16 v) {  // (no NaNs here: the kernels' values are finite)
+  VecU32 bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const VecU32 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const VecU16 h = __builtin_convertvector(rounded, VecU16);
+  std::memcpy(p, &h, sizeof h);
+}
+
+// a . b over n values, b fp32 or bf16 (the dot products of decode attention and the sum of squares of RMS norm).
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
+  Vec16 acc = Vec16{};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
+  float sum = sum16(acc);
+  for (; i < n; ++i) sum += a[i] * static_cast<float>(b[i]);
+  return sum;
+}
+
+// dst[0..n) = src[0..n) (rounded when T is bf16).
+template <typename T>
+inline void store_row(T* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store16(dst + i, load16(src + i));
+  for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
