@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Decode attention over the paged KV cache: the engine's C++ kernel (engine/fused_layers.cpp, `decode_attention`)
+"""Decode attention over the paged KV cache: the engine's C++ kernel (engine/csrc/decode_attention.cpp)
 against the path torch's own ops take (engine/attention.py without the kernels: gather the blocks, then
 `scaled_dot_product_attention` with a mask), side by side in one process, on SmolLM2's heads (9 query heads over
 3 KV heads of 64), 30 layers' caches per step (as a forward pass reads them: each layer's cache is read once, from

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Output tokens/s of slotune's engine against transformers, and its batch-1 decode step against the memory bound.
 
-One process loads and warms up every system, then times them one after another on the same model (fp32, CPU,
-`--threads` threads); with `--repeats N` every repeat runs each system once, in a rotating order, so that load from
+One process loads and warms up every system, then times them one after another on the same model (`--dtype`:
+the engine's default `auto` choice unless given, transformers in the same dtype; CPU, `--threads` threads); with `--repeats N` every repeat runs each system once, in a rotating order, so that load from
 elsewhere on the machine falls on all of them alike, and medians are reported:
 
   (a) slotune's engine: `LLM(...).generate` over the whole workload (continuous batching);
@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a Hugging Face model folder; default: the engine's default model")
     p.add_argument("--threads", type=int, default=2, help="torch threads (also OMP/MKL threads); default 2")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the engine's dtype (auto: its default choice), and transformers' (the same)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--length-scale", type=float, default=1.0, help="multiplies every length bound")
     p.add_argument("--seed", type=int, default=0)
@@ -182,6 +184,14 @@ def measure_bandwidth(torch: Any, gib: float, passes: int) -> dict[str, Any]:
             "median_gb_per_s": nbytes / median(times) / 1e9}
 
 
+def cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
 def threads_seen_by_new_thread(torch: Any) -> int:
     """torch's thread count inside a fresh Python thread (transformers' batching loop runs in one)."""
     seen: list[int] = []
@@ -196,12 +206,12 @@ class EngineSystem:
 
     name = "engine"
 
-    def __init__(self, args: argparse.Namespace, requests: list[Request]) -> None:
+    def __init__(self, args: argparse.Namespace, requests: list[Request], dtype: str = "auto") -> None:
         from engine import LLM
 
         self.args = args
         self.requests = requests
-        self.llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+        self.llm = LLM(model=args.model, dtype=dtype, device=args.device, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                        kv_cache_bytes=args.kv_cache_bytes)
 
@@ -247,7 +257,9 @@ class EngineSystem:
         return run, [list(o.token_ids) for o in outs]
 
     def describe(self) -> dict[str, Any]:
-        return {"config": dict(self.llm.config.knobs()), "weight_bytes": self.llm.engine.model.weight_bytes()}
+        choice = self.llm.engine.dtype_choice
+        return {"config": dict(self.llm.config.knobs()), "weight_bytes": self.llm.engine.model.weight_bytes(),
+                "dtype": choice.name, "dtype_reason": choice.reason}
 
 
 def run_batch1(args: argparse.Namespace, llm: Any, vocab_size: int, torch: Any) -> dict[str, Any]:
@@ -318,8 +330,10 @@ def run_batch1(args: argparse.Namespace, llm: Any, vocab_size: int, torch: Any) 
 def load_hf_model(args: argparse.Namespace, model_dir: Path, torch: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype),
-                                                 attn_implementation="sdpa")
+    from engine.precision import choose_dtype
+
+    dtype = choose_dtype(args.dtype, args.device).dtype  # the engine's: both systems run the same dtype
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
     return model.to(args.device).eval()
 
 
@@ -517,7 +531,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"Workload: {w['num_requests']} requests (short/medium/long "
         + "/".join(str(w["classes"][k]["count"]) for k in CLASSES)
         + f"), {w['prompt_tokens']} prompt tokens, {w['output_tokens']} output tokens; "
-        f"{report['env']['threads']} threads, fp32, repeats={report['args']['repeats']}",
+        f"{report['env']['threads']} threads, {s.get('engine', {}).get('dtype_reason', report['args']['dtype'])}, "
+        f"CPU {report['env']['cpu']}, repeats={report['args']['repeats']}",
         "",
         "| system | output tok/s (median) | wall s (median) | tok/s per repeat | engine / system "
         "| per repeat | target |",
@@ -602,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch_threads_in_new_thread": threads_seen_by_new_thread(torch),
         "cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
         "torch": torch.__version__, "transformers": transformers.__version__, "model_dir": str(model_dir),
-        "loadavg_start": loadavg(),
+        "loadavg_start": loadavg(), "cpu": cpu_name(),
     }
     report: dict[str, Any] = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                               "env": env, "workload": describe_workload(requests, args.length_scale),
@@ -617,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     engine_system = None
     if "engine" not in args.skip or "batch1" not in args.skip:
         log("engine: loading")
-        engine_system = EngineSystem(args, requests)
+        engine_system = EngineSystem(args, requests, dtype=args.dtype)
         if "engine" not in args.skip:
             systems.append(engine_system)
     model = None

@@ -1,9 +1,9 @@
 """Torch attention over the paged KV cache for one flattened variable-length batch.
 
 The batch is laid out decodes first, then prefill chunks. Decode tokens are grouped by context length; with the C++
-kernels (engine/fused_layers.py, fp32) a group's queries read their keys and values in place through the block
-tables, otherwise the group gathers them once, padded only to its longest context. Each prefill chunk attends to
-its sequence's cached context plus itself with a causal mask.
+kernels (engine/fused_layers.py: fp32 queries, fp32 or bf16 caches) a group's queries read their keys and values in
+place through the block tables, otherwise the group gathers them once, padded only to its longest context. Each
+prefill chunk attends to its sequence's cached context plus itself with a causal mask.
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             v = value[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            k = _gather(key_cache, chunk.block_table.unsqueeze(0))[..., : chunk.context_len, :]
-            v = _gather(value_cache, chunk.block_table.unsqueeze(0))[..., : chunk.context_len, :]
+            # (the kernels' bf16 cache beside fp32 activations: widened to the query's dtype)
+            k = _gather(key_cache, chunk.block_table.unsqueeze(0))[..., : chunk.context_len, :].to(q.dtype)
+            v = _gather(value_cache, chunk.block_table.unsqueeze(0))[..., : chunk.context_len, :].to(q.dtype)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
         out[chunk.start : chunk.end] = o.squeeze(0).transpose(0, 1)
     return out
@@ -68,7 +69,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def _decode_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: DecodeGroup,
                   scale: float, kernels: Any | None) -> torch.Tensor:
-    if kernels is not None and key_cache.dtype == torch.float32:
+    if kernels is not None and query.dtype == torch.float32:  # fp32 or bf16 caches
         return kernels.decode_attention(query[group.start : group.end], key_cache, value_cache, group.block_tables,
                                         group.context_lens, scale)
     k = _gather(key_cache, group.block_tables)[..., : group.context_len, :]  # [seqs, kv_heads, ctx, dim]

@@ -1,26 +1,32 @@
-"""The engine's C++ kernels, engine/fused_layers.cpp, built once with torch.utils.cpp_extension (g++ and ninja)
-into the cache folder, for this CPU (-march=native; the folder is named after the CPU's model and features):
+"""The engine's C++ kernels, engine/csrc/ (one .cpp file per concept: work pool, SIMD helpers, linear kernels, decode
+attention, norms and rotary, the layer loop, the Python bindings), built once with torch.utils.cpp_extension (g++ and
+ninja) into the cache folder, for this CPU (-march=native; the folder is named after the CPU's model and features):
 
 - ``decoder_layers``: the decoder's layer loop of one step (decode groups and prefill chunks) as one C++ call to the
   same ops in the same order as LlamaModel.forward and paged_attention. A batch-1 decode step is ~1,700 small
   ATen calls besides its ~120 matrix-vector products; from Python each costs a few microseconds of binding
-  overhead, together a sixth of the step on a CPU.
+  overhead.
 - ``linear``: residual + at::linear, with a streaming kernel for fp32 inputs of at most 6 rows (decode steps of a
-  few sequences), which reads the weights at 2-3x the bandwidth of MKL's sgemv on AMD EPYC, and register tiles for
-  more rows up to a limit measured once per machine against at::linear (``tiled_rows_limit``; on AMD EPYC the
-  tiles beat MKL's sgemm up to 256+ rows, so steps with a prefill chunk gain too).
-- The kernels' loops run on torch's thread count through the work pool in fused_layers.cpp (not ATen's
+  few sequences), which reads the weights at the bandwidth torch.sum reads at, and register tiles for more rows up
+  to a limit measured once per machine against at::linear (``tiled_rows_limit``).
+- The kernels' loops run on torch's thread count through the work pool in csrc/work_pool.h (not ATen's
   parallel_for: without -fopenmp it compiles to a serial loop, and OpenMP's barrier stalls beside a busy process).
 - ``decode_attention``: one query per sequence against its keys and values read in place through the block table;
   the query heads that share a KV head read each key and value row once, and at small batches each context is split
   into slices (merged after) so that both threads work.
+- bf16 weights and KV cache (engine/model.py keeps activations, norms and biases fp32): ``linear`` takes a bf16
+  weight with an fp32 input (AVX512-BF16 ``vdpbf16ps`` on the input rounded to bf16 where the CPU has it, checked at
+  run time; else the weights widened to fp32 by a shift; ``set_bf16_kernel`` picks one), tiles up to their own
+  measured limit and at::linear in bf16 above it (oneDNN: AMX where the CPU has it); ``decode_attention`` and
+  ``rotary_cache_write`` take bf16 caches; ``bf16_speedup`` is what dtype "auto" (engine/precision.py) decides by.
 - ``pack_weights``: the model's weights, in the order a forward pass reads them, in one buffer on 2 MB pages.
 - ``rms_norm``, ``rotary_cache_write`` (rotary queries and keys, new keys and values into the cache) and
   ``silu_and_mul``: one loop each instead of several ATen calls.
 
 Both layer loops (C++ and Python) use these kernels, so they stay bit-identical to each other; against torch's ops
 they differ in the last bits (summation order, exp), which tests/test_fused_layers.py bounds and the greedy
-equivalence tests against transformers check end to end.
+equivalence tests against transformers check end to end. What the design choices were measured against is in
+BENCHMARKS.md ("The kernels' design measurements").
 
 ``load()`` returns the built module, or None when it is turned off (SLOTUNE_FUSED_LAYERS=0) or cannot be built
 (then the Python layer loop and torch's ops run, after one warning)."""
@@ -32,6 +38,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 import warnings
@@ -42,9 +49,12 @@ import torch
 
 from engine.model_loader import default_cache_dir
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the weights' and KV cache's dtypes the kernels take
 ENV_SWITCH = "SLOTUNE_FUSED_LAYERS"  # "0": never build or use it
 TILED_ROWS_ENV = "SLOTUNE_TILED_ROWS"  # overrides the measured limit of the tiled linear (6: tiles off)
-SOURCE = Path(__file__).with_name("fused_layers.cpp")
+BF16_TILED_ROWS_ENV = "SLOTUNE_BF16_TILED_ROWS"  # the same for bf16 weights
+MEASUREMENTS_FILE = "machine_measurements.json"  # in the build folder: what load() measured on this machine
+SOURCE_DIR = Path(__file__).with_name("csrc")  # headers (*.h) and translation units (*.cpp)
 
 
 def enabled() -> bool:
@@ -64,76 +74,138 @@ def cpu_tag() -> str:
     return hashlib.sha1(described.encode()).hexdigest()[:10]
 
 
+def source_tag() -> str:
+    """A short hash of the kernels' sources: each version builds in its own folder (a cache folder shared by
+    checkouts of different versions would otherwise rebuild, or race, in one)."""
+    digest = hashlib.sha1()
+    for path in sorted(SOURCE_DIR.glob("*.[ch]*")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:10]
+
+
 @functools.cache
 def load() -> Any | None:
     if not enabled():
         return None
     from torch.utils.cpp_extension import load as build_extension
 
-    build_dir = default_cache_dir() / "extensions" / f"fused_layers-torch{torch.__version__}-cpu{cpu_tag()}"
+    build_dir = (default_cache_dir() / "extensions" /
+                 f"fused_layers-torch{torch.__version__}-cpu{cpu_tag()}-src{source_tag()}")
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
         print(f"slotune: building the engine's C++ kernels in {build_dir} (once; about half a minute)...",
               file=sys.stderr, flush=True)
     try:
-        module = build_extension(name="slotune_fused_layers", sources=[str(SOURCE)], build_directory=str(build_dir),
-                                 extra_cflags=["-O3", "-march=native"], verbose=False)
+        sources = [str(path) for path in sorted(SOURCE_DIR.glob("*.cpp"))]
+        module = build_extension(name="slotune_fused_layers", sources=sources, build_directory=str(build_dir),
+                                 extra_cflags=["-O3", "-march=native"],
+                                 extra_include_paths=[str(SOURCE_DIR)], verbose=False)
     except Exception as error:  # no compiler, no ninja, a broken toolchain: decoding still works, only slower
         warnings.warn(f"slotune: the C++ kernels could not be built ({str(error).splitlines()[0]}); "
                       f"steps run the Python layer loop and torch's ops instead (slower; {ENV_SWITCH}=0 skips the "
                       "attempt)",
                       RuntimeWarning, stacklevel=2)
         return None
-    module.set_tiled_rows_limit(tiled_rows_limit(module, build_dir))
+    for bf16 in (False, True):
+        module.set_tiled_rows_limit(tiled_rows_limit(module, build_dir, bf16), bf16)
+    module.build_dir = str(build_dir)  # where this machine's measurements are kept (bf16_speedup)
     return module
 
 
-def tiled_rows_limit(module: Any, build_dir: Path) -> int:
-    """Up to how many input rows ``linear`` uses its own tiles rather than at::linear (BLAS): $SLOTUNE_TILED_ROWS,
-    else the limit measured on this machine, once, and kept in the build folder (tiled_rows_limit.json)."""
-    if os.environ.get(TILED_ROWS_ENV):
-        return int(os.environ[TILED_ROWS_ENV])
-    path = build_dir / "tiled_rows_limit.json"
+def _measurements(build_dir: Path) -> dict[str, Any]:
     try:
-        return int(json.loads(path.read_text())["tiled_rows_limit"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    print("slotune: measuring the C++ linear against torch's (once; a few seconds)...", file=sys.stderr, flush=True)
-    limit, timings = measure_tiled_rows_limit(module)
-    path.write_text(json.dumps({"tiled_rows_limit": limit, "seconds_tiled_vs_blas": timings}, indent=1))
-    return limit
+        data = json.loads((build_dir / MEASUREMENTS_FILE).read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _measured(build_dir: Path, key: str, measure: Any) -> Any:
+    """The value kept under `key` in the build folder's measurements, else measure() -> (value, details), kept."""
+    data = _measurements(build_dir)
+    if key not in data:
+        print(f"slotune: measuring the C++ kernels on this machine ({key}; once, a few seconds)...", file=sys.stderr,
+              flush=True)
+        value, details = measure()
+        data = _measurements(build_dir) | {key: value, f"{key}_seconds": details}
+        (build_dir / MEASUREMENTS_FILE).write_text(json.dumps(data, indent=1))
+    return data[key]
+
+
+def tiled_rows_limit(module: Any, build_dir: Path, bf16: bool = False) -> int:
+    """Up to how many input rows ``linear`` uses its own tiles rather than at::linear (BLAS; for bf16 weights
+    oneDNN, which has AMX tiles where the CPU has them): $SLOTUNE_TILED_ROWS / $SLOTUNE_BF16_TILED_ROWS, else the
+    limit measured on this machine, once, and kept in the build folder (machine_measurements.json)."""
+    env = BF16_TILED_ROWS_ENV if bf16 else TILED_ROWS_ENV
+    if os.environ.get(env):
+        return int(os.environ[env])
+    key = "bf16_tiled_rows_limit" if bf16 else "tiled_rows_limit"
+    return int(_measured(build_dir, key, lambda: measure_tiled_rows_limit(module, bf16=bf16)))
+
+
+def _decoder_weights(weight_bytes: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Matrices of a decoder's shapes (SmolLM2's gate/up and down), `weight_bytes` in all (above the last-level
+    cache, so that they stream from memory as a forward pass's do)."""
+    hidden, intermediate = 576, 1536
+    layers = max(1, weight_bytes // (3 * hidden * intermediate * torch.tensor([], dtype=dtype).element_size()))
+    generator = torch.Generator().manual_seed(0)
+    return [w.to(dtype) for _ in range(layers) for w in (torch.randn(2 * intermediate, hidden, generator=generator),
+                                                         torch.randn(hidden, intermediate, generator=generator))]
+
+
+def _median_times(linears: list[Any], weights: list[list[torch.Tensor]], m: int, repeats: int = 5) -> list[float]:
+    """The median time of each (linear, weights) pair over `repeats` passes, the pairs alternating (so that load from
+    elsewhere on the machine falls on all of them alike). The median, not the best: torch's OpenMP-threaded kernels
+    lose much more than the work pool's when another process holds a core, and a best-of pass hides that (measured:
+    BENCHMARKS.md, "The kernels' design measurements")."""
+    inputs = {w.shape[1]: torch.randn(m, w.shape[1]) for ws in weights for w in ws}
+    times: list[list[float]] = [[] for _ in linears]
+    for linear, ws in zip(linears, weights, strict=True):  # warm-up (oneDNN builds its kernels on first use)
+        linear(inputs[ws[0].shape[1]], ws[0])
+    for _ in range(repeats):
+        for i, (linear, ws) in enumerate(zip(linears, weights, strict=True)):
+            start = time.perf_counter()
+            for w in ws:
+                linear(inputs[w.shape[1]], w)
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def measure_tiled_rows_limit(module: Any, rows: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512),
-                             weight_bytes: int = 64 << 20) -> tuple[int, dict[str, list[float]]]:
-    """The largest row count (of ``rows``, and all smaller ones) at which the tiles are faster than at::linear, over
-    weights of a decoder's shapes larger than the last-level cache (6 = tiles never)."""
-    hidden, intermediate = 576, 1536
-    layers = max(1, weight_bytes // (3 * hidden * intermediate * 4))
-    generator = torch.Generator().manual_seed(0)
-    weights = [w for _ in range(layers) for w in (torch.randn(2 * intermediate, hidden, generator=generator),
-                                                  torch.randn(hidden, intermediate, generator=generator))]
+                             weight_bytes: int = 64 << 20, bf16: bool = False) -> tuple[int, dict[str, list[float]]]:
+    """The largest row count of ``rows`` at which the tiles are faster than at::linear (for
+    bf16 weights: at::linear in bf16, what ``linear`` runs above its limit), over weights of a decoder's shapes
+    larger than the last-level cache (6 = tiles never)."""
+    weights = _decoder_weights(weight_bytes, torch.bfloat16 if bf16 else torch.float32)
 
-    def best_time(linear: Any, m: int) -> float:
-        inputs = {w.shape[1]: torch.randn(m, w.shape[1], generator=generator) for w in weights}
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            for w in weights:
-                linear(inputs[w.shape[1]], w)
-            best = min(best, time.perf_counter() - start)
-        return best
+    def library(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.to(w.dtype), w).float()
 
-    limit, timings, previous = 6, {}, module.get_tiled_rows_limit()
-    module.set_tiled_rows_limit(max(rows))
+    limit, timings, previous = 6, {}, module.get_tiled_rows_limit(bf16)
+    module.set_tiled_rows_limit(max(rows), bf16)
     try:
-        for m in rows:
-            tiled = best_time(lambda x, w: module.linear(x, w, None, None), m)
-            blas = best_time(torch.nn.functional.linear, m)
+        for m in rows:  # all of them: one pass slowed by load from elsewhere must not end the search
+            tiled, blas = _median_times([lambda x, w: module.linear(x, w, None, None), library], [weights, weights], m)
             timings[str(m)] = [tiled, blas]
-            if tiled > blas:
-                break
-            limit = m
+            if tiled <= blas:
+                limit = m
     finally:
-        module.set_tiled_rows_limit(previous)
+        module.set_tiled_rows_limit(previous, bf16)
     return limit, timings
+
+
+def bf16_speedup(module: Any) -> dict[str, float]:
+    """fp32 time / bf16 time of ``linear`` over a decoder's matrices, at a decode step's row count (1) and at a
+    mixed step's (64), measured on this machine once and kept (> 1: the bf16 kernels are the faster)."""
+    return _measured(Path(module.build_dir), "bf16_speedup", lambda: measure_bf16_speedup(module))
+
+
+def measure_bf16_speedup(module: Any, rows: tuple[int, ...] = (1, 64),
+                         weight_bytes: int = 64 << 20) -> tuple[dict[str, float], dict[str, list[float]]]:
+    fp32, bf16 = _decoder_weights(weight_bytes, torch.float32), _decoder_weights(weight_bytes // 2, torch.bfloat16)
+
+    def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return module.linear(x, w, None, None)
+
+    timings = {str(m): _median_times([linear, linear], [fp32, bf16], m) for m in rows}
+    return {m: t[0] / t[1] for m, t in timings.items()}, timings

@@ -1,10 +1,10 @@
 """Which kernels run the model's layer ops (the `kernel_backend` knob, chosen when the engine loads):
 
 - ``torch``: the Python layer loop on torch's ops (any device, any dtype);
-- ``cpp``: the C++ kernels and layer loop of engine/fused_layers.py (CPU, fp32; built with g++ on first use);
+- ``cpp``: the C++ kernels and layer loop of engine/fused_layers.py (CPU, fp32 or bf16; built with g++ on first use);
 - ``triton``: the Triton kernels of engine/triton_kernels/ (CUDA GPUs; on the CPU only under Triton's interpreter,
   TRITON_INTERPRET=1 set before triton is imported, in fp32 or fp16, for tests);
-- ``auto``: triton on a CUDA device, cpp on the CPU in fp32 when the C++ kernels build, torch otherwise.
+- ``auto``: triton on a CUDA device, cpp on the CPU (fp32, bf16) when the C++ kernels build, torch otherwise.
 
 All three run the same model code (engine/model.py) on the same flattened batch, so steps and step records have the
 same structure whatever the backend."""
@@ -43,8 +43,8 @@ def resolve_kernel_backend(requested: str, device: torch.device, dtype: torch.dt
 def cpp_unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     from engine import fused_layers
 
-    if device.type != "cpu" or dtype != torch.float32:
-        return f"the C++ kernels run on the CPU in float32 only (device {device}, {dtype})"
+    if device.type != "cpu" or dtype not in fused_layers.KERNEL_DTYPES:
+        return f"the C++ kernels run on the CPU in float32 or bfloat16 only (device {device}, {dtype})"
     if not fused_layers.enabled():
         return f"the C++ kernels are turned off ({fused_layers.ENV_SWITCH}=0)"
     if fused_layers.load() is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import sys
 import time
 from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
@@ -31,6 +32,7 @@ from engine.memory import KVMemoryGuard
 from engine.model import LlamaModel
 from engine.model_loader import ModelConfig, load_state_dict, resolve_model_dir
 from engine.model_runner import ModelRunner
+from engine.precision import choose_dtype
 from engine.prompt import Prompt
 from engine.sampler import SamplingRow
 from engine.sampling_params import RequestOutput, SamplingParams
@@ -39,8 +41,6 @@ from engine.sequence import Sequence
 from engine.step_record import StepRecord, StepRecorder
 
 logger = logging.getLogger("slotune.engine")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -60,20 +60,20 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, model: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu",
+    def __init__(self, model: str | Path | None = None, *, dtype: str = "auto", device: str = "cpu",
                  cache_dir: str | Path | None = None, seed: int = 0, step_log: str | Path | None = None,
                  step_record_capacity: int = 10_000, cuda_graphs: bool = True, **knobs: Any) -> None:
         """cuda_graphs: replay decode steps from CUDA graphs on a GPU with the Triton backend
         (engine/cuda_graphs.py; SLOTUNE_CUDA_GRAPHS=0 also turns them off)."""
-        if dtype not in DTYPES:
-            raise ValueError(f"invalid dtype={dtype!r}: must be one of {', '.join(DTYPES)}")
+        self.dtype_choice = choose_dtype(dtype, device)  # "auto": bf16 where the CPU and the kernels make it faster
+        print(f"slotune: {self.dtype_choice.reason}", file=sys.stderr, flush=True)
         from transformers import AutoTokenizer  # loading only
 
         self.model_dir = resolve_model_dir(model, cache_dir)
         self.model_name = self.model_dir.name if model is None else str(model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.dtype = DTYPES[dtype]
+        self.dtype = self.dtype_choice.dtype
         self.device = torch.device(device)
         self.limits = ModelLimits(max_context_len=self.model_config.max_position_embeddings,
                                   kv_bytes_per_token=self.model_config.kv_bytes_per_token(self.dtype))

@@ -36,14 +36,23 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device
         self.kernel_backend = resolve_kernel_backend(kernel_backend, device, dtype)  # engine/kernel_backend.py
+        # The C++ kernels (engine/fused_layers.py; backend "cpp") on the CPU, fp32 or bf16. With them the activations,
+        # norms and biases stay fp32 and only the matrices and the KV cache take `dtype` (all sums in fp32); without
+        # them everything is `dtype` and torch's ops run. `fused_loop` runs the layer loop in C++ (False: the Python
+        # loop below, with the same kernels, for comparisons). The Triton kernels (engine/triton_kernels/; backend
+        # "triton"): _triton_layers.
+        self.kernels = fused_layers.load() if self.kernel_backend == "cpp" else None
+        self.fused_loop = self.kernels is not None
+        self.activation_dtype = torch.float32 if self.kernels is not None else dtype
+        self.triton = importlib.import_module("engine.triton_kernels") if self.kernel_backend == "triton" else None
 
-        def weight(name: str) -> torch.Tensor:
+        def weight(name: str, matrix: bool = True) -> torch.Tensor:
             if name not in state:
                 raise KeyError(f"weight {name} is missing from the checkpoint")
-            return state[name].to(device=device, dtype=dtype).contiguous()
+            return state[name].to(device=device, dtype=dtype if matrix else self.activation_dtype).contiguous()
 
         self.embed_tokens = weight("model.embed_tokens.weight")
-        self.final_norm = weight("model.norm.weight")
+        self.final_norm = weight("model.norm.weight", matrix=False)
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else weight("lm_head.weight")
         self.layers: list[LayerWeights] = []
         for i in range(config.num_hidden_layers):
@@ -51,13 +60,13 @@ class LlamaModel:
             attn = p + "self_attn."
             bias = None
             if config.attention_bias:
-                bias = torch.cat([weight(attn + f"{n}_proj.bias") for n in "qkv"])
+                bias = torch.cat([weight(attn + f"{n}_proj.bias", matrix=False) for n in "qkv"])
             self.layers.append(LayerWeights(
-                input_norm=weight(p + "input_layernorm.weight"),
+                input_norm=weight(p + "input_layernorm.weight", matrix=False),
                 qkv=torch.cat([weight(attn + f"{n}_proj.weight") for n in "qkv"]).contiguous(),
                 qkv_bias=bias,
                 o_proj=weight(attn + "o_proj.weight"),
-                post_attention_norm=weight(p + "post_attention_layernorm.weight"),
+                post_attention_norm=weight(p + "post_attention_layernorm.weight", matrix=False),
                 gate_up=torch.cat([weight(p + "mlp.gate_proj.weight"), weight(p + "mlp.up_proj.weight")]).contiguous(),
                 down=weight(p + "mlp.down_proj.weight"),
             ))
@@ -67,12 +76,6 @@ class LlamaModel:
         self.scale = head_dim ** -0.5
         self.inv_freq = 1.0 / (config.rope_theta ** (
             torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-        # The C++ kernels (engine/fused_layers.py; backend "cpp"): fp32 on the CPU only (in bf16 the norm below is
-        # not F.rms_norm). `fused_loop` runs the layer loop in C++ (False: the Python loop below, with the same
-        # kernels, for comparisons). The Triton kernels (engine/triton_kernels/; backend "triton"): _triton_layers.
-        self.kernels = fused_layers.load() if self.kernel_backend == "cpp" else None
-        self.fused_loop = self.kernels is not None
-        self.triton = importlib.import_module("engine.triton_kernels") if self.kernel_backend == "triton" else None
         if self.kernels is not None:
             self._pack_weights(self.kernels)
         self._fused_weights = [
@@ -93,7 +96,7 @@ class LlamaModel:
         return tensors + [self.final_norm, self.lm_head]
 
     def _pack_weights(self, kernels: Any) -> None:
-        """Moves the weights into one buffer in forward order on 2 MB pages (engine/fused_layers.cpp, pack_weights):
+        """Moves the weights into one buffer in forward order on 2 MB pages (engine/csrc/pack_weights.cpp):
         a decode step streams them all, and on 4 KB pages every 4 KB of each stream is a TLB miss."""
         packed = iter(kernels.pack_weights(self._weights_in_forward_order()))
         tied = self.lm_head is self.embed_tokens
@@ -129,7 +132,7 @@ class LlamaModel:
         sin = emb.sin()
         half = sin.shape[-1] // 2
         sin[:, :half].neg_()
-        return emb.cos().to(self.dtype)[:, None, :], sin.to(self.dtype)[:, None, :]
+        return emb.cos().to(self.activation_dtype)[:, None, :], sin.to(self.activation_dtype)[:, None, :]
 
     @staticmethod
     def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -142,7 +145,7 @@ class LlamaModel:
         cfg = self.config
         num_tokens = input_ids.shape[0]
         num_qk_heads = cfg.num_attention_heads + cfg.num_key_value_heads
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = F.embedding(input_ids, self.embed_tokens).to(self.activation_dtype)
         cos, sin = self._rope(positions)
         if self.triton is not None:
             return self._triton_layers(hidden, cos, sin, meta, kv_cache)

@@ -1,6 +1,6 @@
-"""Greedy output identical, token for token, to transformers' `generate`, under every scheduling and cache layout
-that changes how the work is cut up: chunked prefill, block sizes, preemption (recompute and swap), prefix
-caching, and a live config update in the middle of generation."""
+"""Greedy output identical, token for token, to transformers' `generate` (both in float32), under every scheduling and
+cache layout that changes how the work is cut up: chunked prefill, block sizes, preemption (recompute and swap),
+prefix caching, and a live config update in the middle of generation. (bf16: tests/test_bf16.py.)"""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ SMALL_POOL: dict[str, Any] = dict(num_kv_blocks=24, block_size=16, max_model_len
 
 
 def run(mixed_prompts: list[list[int]], **knobs: Any) -> tuple[LLM, list[list[int]]]:
-    llm = LLM(**{"max_num_seqs": 16, "max_num_batched_tokens": 256, **knobs})
+    llm = LLM(dtype="float32", **{"max_num_seqs": 16, "max_num_batched_tokens": 256, **knobs})
     outputs = llm.generate(mixed_prompts, GREEDY)
     assert all(o.finished for o in outputs)
     assert llm.engine.scheduler.kv.num_used_blocks == 0, "KV blocks leaked"
@@ -70,7 +70,7 @@ def test_prefix_caching_matches_transformers(mixed_prompts, reference_outputs) -
 
 
 def test_live_config_update_mid_generation(mixed_prompts, reference_outputs) -> None:
-    llm = LLM(max_num_seqs=16, max_num_batched_tokens=256, chunk_size=32, block_size=16)
+    llm = LLM(dtype="float32", max_num_seqs=16, max_num_batched_tokens=256, chunk_size=32, block_size=16)
     engine = llm.engine
     ids = [engine.add_request(p, GREEDY) for p in mixed_prompts]
     done: dict[str, list[int]] = {}

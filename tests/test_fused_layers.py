@@ -1,7 +1,7 @@
-"""The C++ kernels (engine/fused_layers.cpp): the fused layer loop computes exactly what the Python layer loop
-computes (same hidden states, same KV cache writes, bit for bit), and the small-batch linear agrees with ATen's to
-float rounding, takes a bias, and leaves larger batches to ATen. That greedy outputs stay token-identical to
-transformers with both is tests/test_engine_equivalence.py's job."""
+"""The C++ kernels (engine/csrc/, built by engine/fused_layers.py): the fused layer loop computes exactly what the
+Python layer loop computes (same hidden states, same KV cache writes, bit for bit), and the small-batch linear agrees
+with ATen's to float rounding, takes a bias, and leaves larger batches to ATen. That greedy outputs stay token-identical
+to transformers with both is tests/test_engine_equivalence.py's job."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, paged
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(max_num_seqs=8, max_num_batched_tokens=128, block_size=16)
+    return LLM(dtype="float32", max_num_seqs=8, max_num_batched_tokens=128, block_size=16)
 
 
 def decode_only() -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -159,14 +159,20 @@ def test_the_tiled_limit_is_measured_once_per_machine_and_can_be_overridden(
         llm: LLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     kernels = llm.engine.model.kernels
     assert kernels is not None
-    before = kernels.get_tiled_rows_limit()
+    before, before_bf16 = kernels.get_tiled_rows_limit(), kernels.get_tiled_rows_limit(True)
     limit, timings = fused_layers.measure_tiled_rows_limit(kernels, rows=(8, 16), weight_bytes=4 << 20)
     assert limit in (6, 8, 16) and set(timings) <= {"8", "16"} and kernels.get_tiled_rows_limit() == before
     monkeypatch.delenv(fused_layers.TILED_ROWS_ENV, raising=False)
-    (tmp_path / "tiled_rows_limit.json").write_text('{"tiled_rows_limit": 24}')
+    monkeypatch.delenv(fused_layers.BF16_TILED_ROWS_ENV, raising=False)
+    (tmp_path / fused_layers.MEASUREMENTS_FILE).write_text('{"tiled_rows_limit": 24, "bf16_tiled_rows_limit": 12}')
     assert fused_layers.tiled_rows_limit(kernels, tmp_path) == 24  # kept from the first measurement
+    assert fused_layers.tiled_rows_limit(kernels, tmp_path, bf16=True) == 12
     monkeypatch.setenv(fused_layers.TILED_ROWS_ENV, "6")
+    monkeypatch.setenv(fused_layers.BF16_TILED_ROWS_ENV, "8")
     assert fused_layers.tiled_rows_limit(kernels, tmp_path) == 6
+    assert fused_layers.tiled_rows_limit(kernels, tmp_path, bf16=True) == 8
+    limit, timings = fused_layers.measure_tiled_rows_limit(kernels, rows=(8,), weight_bytes=2 << 20, bf16=True)
+    assert limit in (6, 8) and set(timings) == {"8"} and kernels.get_tiled_rows_limit(True) == before_bf16
 
 
 def test_kernels_called_from_several_threads_at_once_stay_correct(llm: LLM) -> None:

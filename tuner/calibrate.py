@@ -128,8 +128,8 @@ def calibrate(handle: EngineHandle, plan: CalibrationPlan, workdir: Path,
     return StepTimeModel.fit(steps, gap_s=gap, request_latency_s=latency / 2, token_latency_s=latency / 2,
                              meta={"engine": handle.url, "model": handle.model(), "steps": len(steps),
                                    "configs": [c[0] for c in plan.configs], "calibrated_at": time.time(),
-                                   "limits": limits_from(cfg_now), "health": {k: health.get(k) for k in
-                                                                               ("model", "config_generation")}})
+                                   "limits": limits_from(cfg_now),
+                                   "health": {k: health.get(k) for k in ("model", "dtype", "config_generation")}})
 
 
 def limits_from(admin_config: dict[str, Any]) -> dict[str, int]:

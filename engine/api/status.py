@@ -31,7 +31,8 @@ class StatusRoutes:
             return json_response({"status": "dead" if loop.dead else "starting"}, 503)
         if loop.draining:
             return json_response({"status": "draining"}, 503)
-        return json_response({"status": "ok", "model": self.model_name, "config_generation": s.config.generation,
+        return json_response({"status": "ok", "model": self.model_name, "dtype": loop.engine.dtype_choice.name,
+                              "config_generation": s.config.generation,
                               "num_running": s.num_running, "num_waiting": s.num_waiting,
                               "num_preempted": s.num_preempted, "kv_cache_usage": s.kv_cache_usage,
                               "last_step": s.last_step})
