@@ -1,4 +1,4 @@
-"""The engine's dtype. ``"auto"`` (the default) picks bfloat16 where the CPU has bf16 instructions (AVX512-BF16 or
+"""The engine's dtype. ``"auto"`` picks bfloat16 where the CPU has bf16 instructions (AVX512-BF16 or
 AMX-BF16) and the engine's bf16 C++ kernels are faster than its fp32 ones on this machine (measured once, kept with
 the built kernels), float32 otherwise; the choice and its reason are printed at start-up and kept on the engine, so
 that every benchmark records them. float32 is the dtype that is token-exact against transformers in float32."""

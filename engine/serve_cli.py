@@ -59,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--admin-token", default=None,
                         help="bearer token of /admin (default: $SLOTUNE_ADMIN_TOKEN; none: admin disabled)")
     parser.add_argument("--step-log", default=None, metavar="FILE", help="append every step record as JSONL")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="auto (default): bfloat16 where the CPU has bf16 instructions and the kernels are faster")
+    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="float32 (default); auto: bfloat16 where the CPU has bf16 instructions and the kernels "
+                             "are faster")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0, help="seed of requests that do not give one")
     parser.add_argument("--max-waiting-requests", type=int, default=1024,

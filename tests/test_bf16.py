@@ -195,5 +195,5 @@ def test_dtype_auto_chooses_by_cpu_flags_and_kernel_speed(tmp_path: Path, capfd)
     assert cpu_bf16_flags(cpuinfo) == ["avx512_bf16", "amx_bf16"]
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f\n")
     assert cpu_bf16_flags(cpuinfo) == []
-    llm = LLM(max_num_seqs=2, max_num_batched_tokens=32)
+    llm = LLM(dtype="auto", max_num_seqs=2, max_num_batched_tokens=32)
     assert llm.engine.dtype_choice == choice and f"slotune: {choice.reason}" in capfd.readouterr().err
