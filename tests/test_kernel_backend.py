@@ -27,7 +27,7 @@ TOKENS = 6
 
 def test_auto_resolves_by_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_kernel_backend("auto", CPU, torch.float32) == "cpp"  # the C++ kernels build here
-    assert resolve_kernel_backend("auto", CPU, torch.bfloat16) == "torch"
+    assert resolve_kernel_backend("auto", CPU, torch.bfloat16) == "cpp"  # the C++ kernels take bf16 weights too
     assert resolve_kernel_backend("auto", CPU, torch.float16) == "torch"  # never the interpreter by itself
     expected_on_cuda = "triton" if torch.cuda.is_available() else "torch"
     assert resolve_kernel_backend("auto", torch.device("cuda"), torch.bfloat16) == expected_on_cuda
@@ -40,8 +40,8 @@ def test_auto_resolves_by_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -> N
 def test_a_backend_that_cannot_run_is_a_config_error_naming_the_knob(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="invalid kernel_backend='cuda'"):
         EngineConfig.create(LIMITS, kernel_backend="cuda")
-    with pytest.raises(ConfigError, match="kernel_backend.*float32 only"):
-        resolve_kernel_backend("cpp", CPU, torch.bfloat16)
+    with pytest.raises(ConfigError, match="kernel_backend.*float32 or bfloat16 only"):
+        resolve_kernel_backend("cpp", CPU, torch.float16)
     if DEVICE.type == "cpu":
         with pytest.raises(ConfigError, match="kernel_backend.*interpreter computes torch.bfloat16"):
             resolve_kernel_backend("triton", CPU, torch.bfloat16)
