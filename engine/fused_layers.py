@@ -33,6 +33,8 @@ BENCHMARKS.md ("The kernels' design measurements").
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -42,6 +44,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +56,7 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the weights' and KV cache's d
 ENV_SWITCH = "SLOTUNE_FUSED_LAYERS"  # "0": never build or use it
 TILED_ROWS_ENV = "SLOTUNE_TILED_ROWS"  # overrides the measured limit of the tiled linear (6: tiles off)
 BF16_TILED_ROWS_ENV = "SLOTUNE_BF16_TILED_ROWS"  # the same for bf16 weights
+TORCH_BUILD_LOCK = "lock"  # torch.utils.cpp_extension's lock file in the build folder
 MEASUREMENTS_FILE = "machine_measurements.json"  # in the build folder: what load() measured on this machine
 SOURCE_DIR = Path(__file__).with_name("csrc")  # headers (*.h) and translation units (*.cpp)
 
@@ -97,9 +101,10 @@ def load() -> Any | None:
               file=sys.stderr, flush=True)
     try:
         sources = [str(path) for path in sorted(SOURCE_DIR.glob("*.cpp"))]
-        module = build_extension(name="slotune_fused_layers", sources=sources, build_directory=str(build_dir),
-                                 extra_cflags=["-O3", "-march=native"],
-                                 extra_include_paths=[str(SOURCE_DIR)], verbose=False)
+        with _build_lock(build_dir):
+            module = build_extension(name="slotune_fused_layers", sources=sources, build_directory=str(build_dir),
+                                     extra_cflags=["-O3", "-march=native"],
+                                     extra_include_paths=[str(SOURCE_DIR)], verbose=False)
     except Exception as error:  # no compiler, no ninja, a broken toolchain: decoding still works, only slower
         warnings.warn(f"slotune: the C++ kernels could not be built ({str(error).splitlines()[0]}); "
                       f"steps run the Python layer loop and torch's ops instead (slower; {ENV_SWITCH}=0 skips the "
@@ -110,6 +115,20 @@ def load() -> Any | None:
         module.set_tiled_rows_limit(tiled_rows_limit(module, build_dir, bf16), bf16)
     module.build_dir = str(build_dir)  # where this machine's measurements are kept (bf16_speedup)
     return module
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """One build at a time per folder, under a lock the kernel releases when its holder dies. torch's own lock is a
+    plain file that a build killed midway leaves behind, after which every later start waits on it forever: holding
+    ours, no other slotune process is building, so such a file is stale and removed."""
+    with open(build_dir / "slotune.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / TORCH_BUILD_LOCK).unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _measurements(build_dir: Path) -> dict[str, Any]:

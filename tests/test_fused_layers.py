@@ -5,6 +5,8 @@ to transformers with both is tests/test_engine_equivalence.py's job."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -296,3 +298,15 @@ def test_linear_adds_the_residual(llm: LLM) -> None:
         x, residual = torch.randn(rows, 64), torch.randn(rows, 40)
         torch.testing.assert_close(kernels.linear(x, weight, None, residual),
                                    residual + torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_a_build_killed_midway_does_not_block_later_starts(llm: LLM) -> None:
+    """A build killed midway leaves torch's lock file in the build folder; the next start still loads the kernels
+    (instead of waiting on that file forever)."""
+    kernels = fused_layers.load()
+    assert kernels is not None
+    (Path(kernels.build_dir) / fused_layers.TORCH_BUILD_LOCK).touch()
+    started = subprocess.run([sys.executable, "-c", "from engine import fused_layers; assert fused_layers.load()"],
+                             timeout=300, capture_output=True, text=True)
+    assert started.returncode == 0, started.stderr
+    assert not (Path(kernels.build_dir) / fused_layers.TORCH_BUILD_LOCK).exists()
