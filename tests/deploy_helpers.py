@@ -269,7 +269,8 @@ class NativeStack:
                             "GRAFANA_ADMIN_PASSWORD": "-"})["services"]
         command = services["controller"]["command"]
         replace = {"http://engine:8000": self.engines[0].url, "http://prometheus:9090": self.prometheus.url,
-                   "9400": str(self.controller_port)}
+                   "9400": str(self.controller_port),
+                   "/data/runs/controller.jsonl": str(self.prometheus.dir / "controller.jsonl")}
         args = [replace.get(a, a) for a in command[1:]]
         self.controller_log = open(self.prometheus.dir / "controller.log", "w")
         self.controller = subprocess.Popen([sys.executable, "-m", "slotune.cli", *args], cwd=REPO,

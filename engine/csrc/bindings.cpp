@@ -4,19 +4,22 @@
 #include "kernels.h"
 #include "linear_bf16_dot.h"
 
+// The compute functions take and return tensors only and let go of the GIL while they run: a step's forward pass
+// would otherwise stop every other Python thread (the HTTP server sending the last step's tokens) until it ends.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decoder_layers", &decoder_layers, "the decoder's layer loop for one step (engine/model.py, in C++)");
-  m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2) + eps) * weight over the last dimension (fp32)");
-  m.def("decode_attention", &decode_attention, "decode attention straight from the paged KV cache (fp32)");
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("decoder_layers", &decoder_layers, "the decoder's layer loop for one step (engine/model.py, in C++)", nogil);
+  m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2) + eps) * weight over the last dimension (fp32)", nogil);
+  m.def("decode_attention", &decode_attention, "decode attention straight from the paged KV cache (fp32)", nogil);
   m.def("linear", &small_batch_linear, "residual + at::linear(input, weight, bias), without BLAS up to the limit",
-        py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("residual") = py::none());
+        py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("residual") = py::none(), nogil);
   m.def("set_tiled_rows_limit", &set_tiled_rows_limit, "inputs of more rows than this (and > 6) go to at::linear",
         py::arg("rows"), py::arg("bf16") = false);
   m.def("get_tiled_rows_limit", &get_tiled_rows_limit, "the limit set_tiled_rows_limit set", py::arg("bf16") = false);
   m.def("set_bf16_kernel", &set_bf16_kernel, "bf16 weights: 'dot' (x rounded to bf16, vdpbf16ps) or 'widen'");
   m.def("get_bf16_kernel", &get_bf16_kernel, "the bf16 kernel in use");
   m.def("bf16_dot_supported", &bf16_dot_supported, "whether this CPU executes AVX512-BF16");
-  m.def("pack_weights", &pack_weights, "copies of the tensors, in order, in one buffer on huge pages");
-  m.def("rotary_cache_write", &rotary_cache_write, "rotary queries/keys, and the new keys/values into the cache");
-  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up of the fused gate/up projection");
+  m.def("pack_weights", &pack_weights, "copies of the tensors, in order, in one buffer on huge pages", nogil);
+  m.def("rotary_cache_write", &rotary_cache_write, "rotary queries/keys, and the new keys/values into the cache", nogil);
+  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up of the fused gate/up projection", nogil);
 }
