@@ -29,8 +29,8 @@ import yaml
 
 from loadtest.records import RequestRecord, read_records
 from loadtest.summary import SLO, attains
-from tuner.engine_handle import ManagedEngine
-from tuner.statistics import proportion_interval
+from tuner.trials.engine_handle import ManagedEngine
+from tuner.measure.statistics import proportion_interval
 
 REPO = Path(__file__).resolve().parents[1]
 

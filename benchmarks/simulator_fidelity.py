@@ -29,11 +29,11 @@ import numpy as np
 from engine.config import EngineConfig
 from loadtest.config import LoadConfig
 from loadtest.runner import run_loadtest
-from tuner.calibrate import CalibrationPlan, calibrate
-from tuner.engine_handle import ManagedEngine
-from tuner.simulator import simulate_load
-from tuner.simulator import limits_of
-from tuner.step_time_model import StepTimeModel
+from tuner.commands.calibrate import CalibrationPlan, calibrate
+from tuner.trials.engine_handle import ManagedEngine
+from tuner.simulation.simulator import simulate_load
+from tuner.simulation.simulator import limits_of
+from tuner.simulation.step_time_model import StepTimeModel
 
 # trace workloads, relative to --traces
 TRACE = "azure2023/AzureLLMInferenceTrace_conv.csv"

@@ -1,6 +1,6 @@
 """Search-method comparison on the simulator: TPE (structured / random start), GP, random, auto_tune-style grid.
 
-    python benchmarks/simulator_search.py --profile tuner/default_profile.json --rate 1.5 --slo-p99-tbt 800ms \
+    python benchmarks/simulator_search.py --profile tuner/simulation/default_profile.json --rate 1.5 --slo-p99-tbt 800ms \
         --slo-p99-ttft 10s --duration 40 --trials 60 --seeds 8 --out /tmp/search
 
 Writes OUT/search.json (per method: trials to 95 % of the best found, per seed; final best) and OUT/search.html
@@ -21,10 +21,10 @@ sys.path.insert(0, str(REPO))
 from slotune.units import parse_duration
 from loadtest.summary import SLO
 from policies import default_policy_path, load_policy
-from tuner.search_comparison import METHODS, compare, plot
-from tuner.simulator import limits_of
-from tuner.simulator_trial import SimTrialRunner
-from tuner.step_time_model import StepTimeModel
+from tuner.search.comparison import METHODS, compare, plot
+from tuner.simulation.simulator import limits_of
+from tuner.simulation.simulator_trial import SimTrialRunner
+from tuner.simulation.step_time_model import StepTimeModel
 
 
 def main() -> int:

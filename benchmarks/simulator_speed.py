@@ -1,7 +1,7 @@
 """Simulator speed: one hour of the Azure conversation trace (time- and length-scaled for a small CPU engine)
 simulated on one core, and a 1,000-config screen of the default policy's search space.
 
-    taskset -c 0 python benchmarks/simulator_speed.py --profile tuner/default_profile.json
+    taskset -c 0 python benchmarks/simulator_speed.py --profile tuner/simulation/default_profile.json
 
 Prints wall times (best of --repeat) and the simulated volume (requests, steps, tokens). Target: the hour in < 10 s.
 """
@@ -24,11 +24,11 @@ sys.path.insert(0, str(REPO))
 from loadtest.config import LoadConfig
 from loadtest.summary import SLO
 from policies import default_policy_path, load_policy
-from tuner.screening import screen
-from tuner.simulator import simulate_load
-from tuner.simulator import limits_of
-from tuner.simulator_trial import SimTrialRunner
-from tuner.step_time_model import StepTimeModel
+from tuner.search.screening import screen
+from tuner.simulation.simulator import simulate_load
+from tuner.simulation.simulator import limits_of
+from tuner.simulation.simulator_trial import SimTrialRunner
+from tuner.simulation.step_time_model import StepTimeModel
 
 TRACE = os.path.join(os.environ.get("SLOTUNE_TRACES", "traces"), "azure2023", "AzureLLMInferenceTrace_conv.csv")
 KNOBS = {"max_num_seqs": 16, "max_num_batched_tokens": 256, "chunk_size": 64, "block_size": 16}

@@ -45,7 +45,7 @@ def cpu_name() -> str:
 def run_tune(folder: Path, extra: list[str]) -> dict[str, Any]:
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "tuner.cli", "--slo-p99-tbt", "50ms", "--out", "tuned.yaml",
+    proc = subprocess.run([sys.executable, "-m", "tuner.commands.tune", "--slo-p99-tbt", "50ms", "--out", "tuned.yaml",
                            "--storage", "sqlite:///study.db", *extra], cwd=folder, capture_output=True, text=True)
     (folder / "tune.log").write_text(proc.stdout + proc.stderr)
     out: dict[str, Any] = {"rc": proc.returncode, "seconds": time.monotonic() - t0,
@@ -60,7 +60,7 @@ def run_tune(folder: Path, extra: list[str]) -> dict[str, Any]:
 
 def loadtest(knobs: dict[str, Any], rate: float, slo: dict[str, float], folder: Path) -> dict[str, Any]:
     """`slotune loadtest` (60 s, the independent seed) against `slotune serve` with ``knobs``."""
-    from tuner.engine_handle import ManagedEngine
+    from tuner.trials.engine_handle import ManagedEngine
 
     engine = ManagedEngine(knobs=knobs, log_path=str(folder / "engine.log"))
     handle = engine.start()

@@ -32,8 +32,8 @@ sys.path.insert(0, str(REPO))
 
 from slotune.units import format_duration, parse_duration
 from policies import WorkloadSpec
-from tuner.engine_handle import ManagedEngine
-from tuner.trial_runner import TrialRunner
+from tuner.trials.engine_handle import ManagedEngine
+from tuner.trials.trial_runner import TrialRunner
 
 UNTUNED = {"max_num_seqs": 128, "max_num_batched_tokens": 2048, "block_size": 16, "chunk_size": None,
            "prefill_token_ratio": 1.0}
@@ -59,7 +59,7 @@ def write_policy(path: Path, w: dict[str, Any], slo: float, trials: int, duratio
 def run_tune(out: Path, name: str, w: dict[str, Any], args: argparse.Namespace) -> None:
     policy = out / f"{name}.policy.yaml"
     write_policy(policy, w, args.slo_p99_tbt, args.trials, args.trial_duration)
-    cmd = [sys.executable, "-m", "tuner.cli", "--policy", str(policy), "--out", str(out / f"{name}.yaml"),
+    cmd = [sys.executable, "-m", "tuner.commands.tune", "--policy", str(policy), "--out", str(out / f"{name}.yaml"),
            "--storage", str(out / "bench-study.db"), "--study-name", f"bench-{name}-{int(time.time())}",
            "--rate", args.rate]
     print(f"$ {' '.join(cmd)}", flush=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from dashboards.app import DashboardSettings, create_app
-from tuner.study import DEFAULT_STORAGE  # where `tune` keeps its study unless told otherwise
+from tuner.search.study import DEFAULT_STORAGE  # where `tune` keeps its study unless told otherwise
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -52,7 +52,7 @@ class StudyData:
 
 
 def storage_file(url: str) -> Path | None:
-    """The file behind a SQLite or journal storage spec (the forms tuner.study.open_storage accepts), else None."""
+    """The file behind a SQLite or journal storage spec (the forms tuner.search.study.open_storage accepts), else None."""
     if url.startswith("sqlite:///"):
         return Path(url[len("sqlite:///"):]).expanduser()
     if url.startswith("journal:"):
@@ -63,10 +63,10 @@ def storage_file(url: str) -> Path | None:
 
 
 def open_storage(url: str) -> optuna.storages.BaseStorage:
-    """The tuner's storage (tuner.study.open_storage: sqlite:///F, postgresql://..., journal:PATH, PATH.journal,
+    """The tuner's storage (tuner.search.study.open_storage: sqlite:///F, postgresql://..., journal:PATH, PATH.journal,
     PATH.db), except that a SQLite or journal file that does not exist is reported, not created."""
-    from tuner.study import StorageError
-    from tuner.study import open_storage as open_tuner_storage
+    from tuner.search.study import StorageError
+    from tuner.search.study import open_storage as open_tuner_storage
 
     path = storage_file(url)
     if path is not None and not path.exists():
@@ -128,7 +128,7 @@ def evidence_text(attrs: dict[str, Any]) -> str:
 def load_study(storage_url: str, name: str | None = None) -> StudyData:
     """The study `name` (default: the most recently created one) with its trials and importances."""
     from dashboards.analysis import param_importances
-    from tuner.study import SURPLUS_ATTR
+    from tuner.search.study import SURPLUS_ATTR
 
     storage = open_storage(storage_url)
     names = study_names(storage)

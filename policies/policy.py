@@ -136,7 +136,7 @@ class PruningSpec:
 
 @dataclass(frozen=True)
 class MeasurementPolicy:
-    """How one measurement of a config at a rate is sized (tuner/measurement.py): windows of ``trial_duration``
+    """How one measurement of a config at a rate is sized (tuner/measure/measurement.py): windows of ``trial_duration``
     until its figures are decided at ``level``, at most ``cap`` seconds of windows."""
 
     level: float = 0.95      # two-sided confidence level of every interval, in (0.5, 1)
@@ -146,7 +146,7 @@ class MeasurementPolicy:
 
 @dataclass(frozen=True)
 class CapacityPolicy:
-    """The per-config rate search (tuner/capacity.py)."""
+    """The per-config rate search (tuner/measure/capacity.py)."""
 
     resolution: float = 0.15  # stop when the bracket's high/low <= 1 + resolution (> 0)
     max_probes: int = 6       # measurements per config at most (>= 1)
@@ -155,7 +155,7 @@ class CapacityPolicy:
 
 @dataclass(frozen=True)
 class VerdictPolicy:
-    """The paired, repeated comparison of the best configs with the default config (tuner/verdict.py)."""
+    """The paired, repeated comparison of the best configs with the default config (tuner/measure/verdict.py)."""
 
     candidates: int = 2       # best configs re-measured beside the default (>= 1)
     max_rounds: int = 4       # paired rounds at most (>= 2)

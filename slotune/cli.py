@@ -11,12 +11,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("engine.cli", "generate text offline with the engine and print a per-request timing table"),
     "serve": ("engine.serve_cli", "serve the engine over an OpenAI-compatible HTTP API with metrics and live knobs"),
     "loadtest": ("loadtest.cli", "replay a workload open-loop against a server with Locust; write records and summary"),
-    "tune": ("tuner.cli", "search the knobs for the highest goodput within a latency SLO; write tuned.yaml"),
-    "sweep": ("tuner.sweep", "vary one knob with the rest fixed; measure throughput and latency at each value"),
+    "tune": ("tuner.commands.tune", "search the knobs for the highest goodput within a latency SLO; write tuned.yaml"),
+    "sweep": ("tuner.commands.sweep", "vary one knob with the rest fixed; measure throughput and latency at each value"),
     "dashboard": ("dashboards.cli", "Dash app: sweep curves, study history and Pareto front, live engine steps"),
-    "simulate": ("tuner.simulator_cli", "a load test on the simulator (the engine's scheduler on a virtual clock)"),
+    "simulate": ("tuner.commands.simulate", "a load test on the simulator (the engine's scheduler on a virtual clock)"),
     "control": ("tuner.control.cli", "staging: watch live traffic, retune on a trigger, canary, keep or roll back"),
-    "calibrate": ("tuner.calibrate", "profile the engine's step times and fit the simulator's step-time model"),
+    "calibrate": ("tuner.commands.calibrate", "profile the engine's step times and fit the simulator's step-time model"),
 }
 
 

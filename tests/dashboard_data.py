@@ -115,7 +115,7 @@ def write_study(storage_url: str, name: str = "tune", n_trials: int = 12, trial_
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    from tuner.study import open_storage
+    from tuner.search.study import open_storage
 
     study = optuna.create_study(study_name=name, storage=open_storage(storage_url), direction="maximize",
                                 sampler=optuna.samplers.RandomSampler(seed=3))

@@ -11,13 +11,13 @@ import yaml
 
 from loadtest.summary import SLO
 from policies import load_policy
-from tuner.capacity_run import CapacityRun
-from tuner.cli import build_parser
-from tuner.session import TuneSession
-from tuner.simulator_cli import limits_of, profile_path
-from tuner.simulator_trial import SimTrialRunner
-from tuner.step_time_model import StepTimeModel
-from tuner.study import enqueue_default, open_storage, open_study
+from tuner.commands.capacity_run import CapacityRun
+from tuner.commands.tune import build_parser
+from tuner.commands.session import TuneSession
+from tuner.commands.simulate import limits_of, profile_path
+from tuner.simulation.simulator_trial import SimTrialRunner
+from tuner.simulation.step_time_model import StepTimeModel
+from tuner.search.study import enqueue_default, open_storage, open_study
 
 
 def run_on_the_simulator(tmp_path: Path, tbt: float, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

@@ -27,7 +27,7 @@ from server_helpers import SubprocessServer
 
 from loadtest.records import read_records
 from loadtest.summary import SLO, attains
-from tuner.statistics import proportion_interval
+from tuner.measure.statistics import proportion_interval
 
 PHASE_ONE = ["--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--chunk-size", "32", "--block-size", "16"]
 RECOVERY_S = 120.0  # the stated time: requests sent this long after the shift attain >= 90 %

@@ -22,7 +22,7 @@ from tuner.control.guardrails import changed, cooldown_left, move_policy, projec
 from tuner.control.shape import Shape, drift_tests
 from tuner.control.sources import Scrape
 from tuner.control.window import CounterReset, WindowStats, window
-from tuner.statistics import mean_ratio_interval, proportion_difference_interval, rate_ratio_interval
+from tuner.measure.statistics import mean_ratio_interval, proportion_difference_interval, rate_ratio_interval
 
 DEFAULT = yaml.safe_load(Path("policies/default.yaml").read_text())
 

@@ -26,7 +26,7 @@ from slotune.cli import SUBCOMMANDS
 from loadtest.config import Option
 from tests.deploy_helpers import ComposeLocust, NativeStack, dashboard_queries, run_loadtest
 from tests.postgres_helpers import start_postgres
-from tuner.study import ROLE_DEFAULT, open_storage
+from tuner.search.study import ROLE_DEFAULT, open_storage
 
 SLO_TBT = "0.05"  # the shipped rules' target
 LOAD = {"workload": "mixed", "length-scale": "0.125", "rate": "1.5", "duration": "40s", "slo-p99-tbt": "50ms"}
@@ -175,7 +175,7 @@ def test_two_tune_processes_share_one_postgresql_study(stack: NativeStack, load:
     try:
         for i, engine in enumerate(stack.engines):
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tuner.cli", "--policy", "policy.yaml", "--storage", url, "--study-name",
+                [sys.executable, "-m", "tuner.commands.tune", "--policy", "policy.yaml", "--storage", url, "--study-name",
                  "replicas", "--engine-url", engine.url, "--admin-token", stack.admin_token,
                  "--out", f"out{i}/tuned.yaml"],
                 cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

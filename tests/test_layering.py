@@ -28,7 +28,8 @@ def loaded_after(code: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("code", [
-    "import tuner.cli, tuner.session, tuner.study, tuner.trial_runner, tuner.output, tuner.sweep",
+    "import tuner.commands.tune, tuner.commands.session, tuner.commands.sweep, tuner.search.study, "
+    "tuner.trials.trial_runner, tuner.output",
     "import loadtest.summary, loadtest.records, loadtest.schedule, loadtest.runner, slotune.units",
     "import policies; policies.load_policy()",
 ])

@@ -14,11 +14,11 @@ import pytest
 
 from loadtest.records import RequestRecord, write_records
 from loadtest.summary import SLO, summarize
-from tuner.capacity import knob_distance, next_rate, search_capacity, start_from_known
-from tuner.measurement import Figures, Measurement, MeasurementSpec, figures, measure, should_stop
-from tuner.statistics import Interval, Verdict
-from tuner.trial_runner import TrialOutcome
-from tuner.verdict import Contender, paired_verdict, verdict_line
+from tuner.measure.capacity import knob_distance, next_rate, search_capacity, start_from_known
+from tuner.measure.measurement import Figures, Measurement, MeasurementSpec, figures, measure, should_stop
+from tuner.measure.statistics import Interval, Verdict
+from tuner.trials.trial_runner import TrialOutcome
+from tuner.measure.verdict import Contender, paired_verdict, verdict_line
 
 SLO_50MS = SLO(tbt_p99=0.050, ttft_p99=2.0)
 
@@ -192,9 +192,9 @@ def test_the_verdict_stops_when_the_budget_would_be_exceeded() -> None:
 
 def test_on_the_simulator_the_capacity_bracket_separates_served_from_not_served_rates(tmp_path: Path) -> None:
     from policies import WorkloadSpec
-    from tuner.simulator_cli import limits_of, profile_path
-    from tuner.simulator_trial import SimTrialRunner
-    from tuner.step_time_model import StepTimeModel
+    from tuner.commands.simulate import limits_of, profile_path
+    from tuner.simulation.simulator_trial import SimTrialRunner
+    from tuner.simulation.step_time_model import StepTimeModel
 
     model = StepTimeModel.load(profile_path(None))
     sim = SimTrialRunner(model, limits=limits_of(model), workload=WorkloadSpec("mixed", 0.125, output_scale=1.0),
@@ -214,7 +214,7 @@ def test_on_the_simulator_the_capacity_bracket_separates_served_from_not_served_
     # common random numbers: two configs on one draw see the same arrivals
     a = measure(sim, knobs, 1.0, tmp_path / "a", 7, MeasurementSpec(max_segments=1))
     b = measure(sim, {"max_num_seqs": 2}, 1.0, tmp_path / "b", 7, MeasurementSpec(max_segments=1))
-    from tuner.measurement import window_records
+    from tuner.measure.measurement import window_records
     sent_a = [r.intended_send_time - window_records(a.segments[0])[0].intended_send_time
               for r in window_records(a.segments[0])]
     sent_b = [r.intended_send_time - window_records(b.segments[0])[0].intended_send_time
@@ -223,7 +223,7 @@ def test_on_the_simulator_the_capacity_bracket_separates_served_from_not_served_
 
 
 def test_the_cap_grows_at_low_rates_so_a_window_can_hold_enough_requests() -> None:
-    from tuner.measurement import fewest_requests_to_show
+    from tuner.measure.measurement import fewest_requests_to_show
 
     assert fewest_requests_to_show(0.9, 0.95) == 36
     spec = MeasurementSpec(max_segments=3, window_s=15.0)
@@ -231,8 +231,8 @@ def test_the_cap_grows_at_low_rates_so_a_window_can_hold_enough_requests() -> No
 
 
 def test_the_floor_keeps_the_least_disturbing_arrangement_and_flags_an_slo_below_it(tmp_path: Path) -> None:
-    from tuner.arrangement import NORMAL, REALTIME, SEPARATE, Arrangement
-    from tuner.floor import measure_floor
+    from tuner.trials.arrangement import NORMAL, REALTIME, SEPARATE, Arrangement
+    from tuner.measure.floor import measure_floor
 
     @dataclass
     class Disturbed(ScriptedBackend):

@@ -14,9 +14,9 @@ import pytest
 from engine.step_record import StepRecord
 from loadtest.config import LoadConfig
 from loadtest.records import read_records
-from tuner.simulator import simulate_load
-from tuner.simulator_trial import SimTrialRunner
-from tuner.step_time_model import StepTimeModel
+from tuner.simulation.simulator import simulate_load
+from tuner.simulation.simulator_trial import SimTrialRunner
+from tuner.simulation.step_time_model import StepTimeModel
 
 REPO = Path(__file__).resolve().parent.parent
 # A CPU-engine-like model: 30 ms a step, 0.4 ms a token, 1 ms a sequence; profiled up to 16 sequences.

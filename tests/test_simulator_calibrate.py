@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tuner.calibrate import busy_gaps, limits_from
-from tuner.step_time_model import StepTimeModel
+from tuner.commands.calibrate import busy_gaps, limits_from
+from tuner.simulation.step_time_model import StepTimeModel
 
 REPO = Path(__file__).resolve().parent.parent
 

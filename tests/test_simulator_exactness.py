@@ -12,7 +12,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from loadtest.tokens import PromptBuilder, TokenSpace
 from loadtest.workloads import MixedWorkload, PrefixWorkload, RequestSpec, parse_mix
-from tuner.simulator import ReplayStepTimes, SimOptions, simulate
+from tuner.simulation.simulator import ReplayStepTimes, SimOptions, simulate
 
 COMPARED = ("num_prefill_seqs", "num_prefill_tokens", "num_decode_tokens", "num_running", "num_waiting",
             "num_preempted", "kv_blocks_used", "kv_blocks_free", "num_preemptions", "prefix_cache_hit_tokens",

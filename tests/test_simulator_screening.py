@@ -8,10 +8,10 @@ import pytest
 
 from loadtest.summary import SLO
 from policies import parse_policy
-from tuner.screening import measured_steps, sample_configs, screen, sim_runner_like
-from tuner.search_comparison import compare, grid_configs, space_configs
-from tuner.simulator_trial import SimTrialRunner
-from tuner.step_time_model import StepTimeModel
+from tuner.search.screening import measured_steps, sample_configs, screen, sim_runner_like
+from tuner.search.comparison import compare, grid_configs, space_configs
+from tuner.simulation.simulator_trial import SimTrialRunner
+from tuner.simulation.step_time_model import StepTimeModel
 
 COEF = {"const": 0.030, "tokens": 4e-4, "seqs": 2e-3, "prefill_seqs": 1e-3, "context_tokens": 1e-6,
         "context_blocks": 1e-5, "prefill_square": 0.0, "swapped_blocks": 0.0}
@@ -71,7 +71,7 @@ def test_screen_enqueues_the_best_for_the_study_to_confirm(runner: SimTrialRunne
 
     import optuna
 
-    from tuner.objective import suggest_knobs
+    from tuner.search.objective import suggest_knobs
 
     study = optuna.create_study(direction="maximize")
     ranked = screen(POLICY, 10, runner, seed=2, study=study, out_dir=tmp_path, top=2)
@@ -88,8 +88,8 @@ def test_screen_accepts_the_tuners_real_trial_runner(tmp_path) -> None:
     # workload, rate, window, SLO, base config) with the shipped profile; nothing reaches the engine.
     import optuna
 
-    from tuner.engine_handle import EngineHandle
-    from tuner.trial_runner import TrialRunner
+    from tuner.trials.engine_handle import EngineHandle
+    from tuner.trials.trial_runner import TrialRunner
 
     real = TrialRunner(EngineHandle("http://127.0.0.1:9"), workload=POLICY.workload, rate=1.0, duration=6.0,
                        warmup=1.0, slo=SLO(tbt_p99=0.8), base_knobs={"max_num_seqs": 4, "block_size": 16})
@@ -107,9 +107,9 @@ def test_the_screens_simulator_runs_at_the_speed_the_engine_just_measured(tmp_pa
 
     import optuna
 
-    from tuner.engine_handle import EngineHandle
-    from tuner.simulator import profile_path
-    from tuner.trial_runner import TrialRunner
+    from tuner.trials.engine_handle import EngineHandle
+    from tuner.simulation.simulator import profile_path
+    from tuner.trials.trial_runner import TrialRunner
 
     profile = StepTimeModel.load(profile_path(None))
     shapes = [(0, 0, 1, 40), (0, 0, 4, 300), (1, 24, 3, 200), (2, 64, 0, 64), (0, 0, 8, 900)]

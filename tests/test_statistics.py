@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from tuner.statistics import (Interval, lower_verdict, min_samples_to_bound, paired_ratio_interval,
+from tuner.measure.statistics import (Interval, lower_verdict, min_samples_to_bound, paired_ratio_interval,
                               proportion_interval, quantile_interval, quantile_ranks, ratio_verdict, upper_verdict)
 
 

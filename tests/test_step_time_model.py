@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tuner.step_time_model import (FEATURES, ExtrapolationWarning, ProfileError, StepTimeModel, feature_row)
+from tuner.simulation.step_time_model import (FEATURES, ExtrapolationWarning, ProfileError, StepTimeModel, feature_row)
 
 TRUE = {"const": 0.02, "tokens": 4e-4, "seqs": 1e-3, "prefill_seqs": 2e-3, "context_tokens": 2e-6,
         "context_blocks": 3e-5, "prefill_square": 1e-6, "swapped_blocks": 0.0, "prefill_step": 5e-3}

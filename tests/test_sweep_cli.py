@@ -14,7 +14,7 @@ import pytest
 from dashboards.figures import sweep_curves_figure
 from dashboards.results import load_sweep, load_trial, read_request_records, read_steps
 from tests.server_helpers import REPO, SubprocessServer
-from tuner.sweep import main
+from tuner.commands.sweep import main
 
 TOKEN = "sweep-test-token"
 
@@ -77,7 +77,7 @@ def test_a_two_point_sweep_on_a_real_engine(tmp_path: Path) -> None:
 
 
 def test_a_simulated_sweep_is_marked_simulated_and_drawn_so(tmp_path: Path) -> None:
-    from tuner.step_time_model import StepTimeModel
+    from tuner.simulation.step_time_model import StepTimeModel
 
     profile = tmp_path / "profile.json"  # a step-time model: 30 ms + 0.4 ms/token + 2 ms/sequence
     StepTimeModel(coef={"const": 0.030, "tokens": 4e-4, "seqs": 2e-3, "prefill_seqs": 1e-3, "context_tokens": 1e-6,

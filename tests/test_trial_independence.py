@@ -8,8 +8,8 @@ from pathlib import Path
 
 from policies import WorkloadSpec
 from tests.server_helpers import SubprocessServer
-from tuner.engine_handle import EngineHandle
-from tuner.trial_runner import TrialRunner
+from tuner.trials.engine_handle import EngineHandle
+from tuner.trials.trial_runner import TrialRunner
 
 
 def hit_tokens(folder: Path) -> int:

@@ -32,7 +32,7 @@ verdict: {candidates: 1, max_rounds: 2, budget: 60s}
 
 
 def tune(args: list[str], cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tuner.cli", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tuner.commands.tune", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout)
 
 

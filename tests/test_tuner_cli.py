@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tuner.cli import main
+from tuner.commands.tune import main
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -16,8 +16,8 @@ import yaml
 
 from policies import load_policy
 from tests.server_helpers import SubprocessServer
-from tuner.engine_handle import EngineHandle
-from tuner.trial_runner import TrialRunner
+from tuner.trials.engine_handle import EngineHandle
+from tuner.trials.trial_runner import TrialRunner
 
 REPO = Path(__file__).resolve().parent.parent
 SLO_S = 1.0  # loose: the searched configs take <= 32 prefill tokens a step, far below 1 s even on a busy CPU
@@ -38,7 +38,7 @@ rate: 1.0
 
 
 def tune(args: list[str], cwd: Path, timeout: float = 420) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tuner.cli", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tuner.commands.tune", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -37,7 +37,7 @@ def locust_running(children: list[psutil.Process]) -> bool:
 def test_kill_9_of_tune_mid_trial_leaves_no_process_of_it(tmp_path: Path) -> None:
     (tmp_path / "policy.yaml").write_text(POLICY)
     with open(tmp_path / "tune.log", "w") as log:
-        tune = subprocess.Popen([sys.executable, "-m", "tuner.cli", "--policy", "policy.yaml", "--out",
+        tune = subprocess.Popen([sys.executable, "-m", "tuner.commands.tune", "--policy", "policy.yaml", "--out",
                                  "out/tuned.yaml"], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 400

@@ -19,8 +19,8 @@ from optuna.trial import TrialState
 
 from tests.postgres_helpers import start_postgres
 from tests.server_helpers import SubprocessServer
-from tuner.engine_handle import EngineHandle
-from tuner.study import ROLE_DEFAULT, open_storage
+from tuner.trials.engine_handle import EngineHandle
+from tuner.search.study import ROLE_DEFAULT, open_storage
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ rate: 1.0
 
 
 def tune_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tuner.cli", "--policy", "policy.yaml", *args]
+    return [sys.executable, "-m", "tuner.commands.tune", "--policy", "policy.yaml", *args]
 
 
 def test_resume_after_kill_9(tmp_path: Path) -> None:
@@ -162,8 +162,8 @@ def test_apply_leaves_the_tuned_knobs_in_the_engine(tmp_path: Path) -> None:
 
 def test_a_trial_that_kills_the_engine_is_infeasible_and_the_engine_restarts(tmp_path: Path) -> None:
     from policies import WorkloadSpec
-    from tuner.engine_handle import ManagedEngine
-    from tuner.trial_runner import TrialRunner
+    from tuner.trials.engine_handle import ManagedEngine
+    from tuner.trials.trial_runner import TrialRunner
 
     engine = ManagedEngine(log_path=str(tmp_path / "engine.log"))
     engine.start()

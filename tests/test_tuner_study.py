@@ -18,20 +18,20 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-import tuner.study
+import tuner.search.study
 from dashboards.study import load_study
 from loadtest.summary import SLO
 from policies import SAMPLERS, Policy, PruningSpec, load_policy
 from tests.test_measurement import ScriptedBackend
-from tuner.capacity import CapacitySearcher
-from tuner.measurement import MeasurementSpec
-from tuner.objective import constraints_func, evaluate_capacity
-from tuner.pruning import PruneWatcher, gaps_above, itl_buckets
-from tuner.structured_start import ROLE_START, START_STEP_ATTR, startup_trials
-from tuner.study import (HEARTBEAT_STALE_S, ROLE_DEFAULT, SURPLUS_ATTR, Heartbeat, StorageError, best_trial,
+from tuner.measure.capacity import CapacitySearcher
+from tuner.measure.measurement import MeasurementSpec
+from tuner.search.objective import constraints_func, evaluate_capacity
+from tuner.trials.pruning import PruneWatcher, gaps_above, itl_buckets
+from tuner.search.structured_start import ROLE_START, START_STEP_ATTR, startup_trials
+from tuner.search.study import (HEARTBEAT_STALE_S, ROLE_DEFAULT, SURPLUS_ATTR, Heartbeat, StorageError, best_trial,
                          choose_rate, closest_trial, counted_trials, default_trial, enqueue_default, is_surplus,
                          open_storage, open_study, recover_orphans, run_trials)
-from tuner.trial_runner import TrialOutcome, feasibility, step_stats
+from tuner.trials.trial_runner import TrialOutcome, feasibility, step_stats
 
 DEFAULT_KNOBS = {"max_num_seqs": 64, "max_num_batched_tokens": 512, "chunk_size": None, "block_size": 16}
 
@@ -256,9 +256,9 @@ def test_a_trial_asked_past_the_budget_by_a_racing_process_is_given_back(tmp_pat
     other = open_study(open_storage(storage), "race", policy)
     racer = other.ask()  # another process counted 2 < 3 and took the last slot
     racer.set_user_attr("pid", os.getpid())
-    real_count = tuner.study.counted_trials
+    real_count = tuner.search.study.counted_trials
     # this process counted before the racer's ask landed: it sees room, asks, and must give its trial back
-    with mock.patch.object(tuner.study, "counted_trials", side_effect=[2, 3]):
+    with mock.patch.object(tuner.search.study, "counted_trials", side_effect=[2, 3]):
         assert run_trials(study, CheapRunner(), policy, 3, tmp_path) == 0
     assert is_surplus(study, racer.number, 3) is False
     given_back = study.get_trials()[-1]

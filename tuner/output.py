@@ -12,7 +12,7 @@ import yaml
 
 from engine.knobs import KNOBS, short_label
 from slotune.units import format_duration
-from tuner.study import feasible, measured
+from tuner.search.study import feasible, measured
 
 # The knobs a report line shows by default (the scheduling knobs the tuner searches).
 REPORTED_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "block_size", "prefill_token_ratio",

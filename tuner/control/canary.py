@@ -9,7 +9,7 @@ from typing import Any
 
 from policies.control import Canary
 from tuner.control.window import WindowStats
-from tuner.statistics import Interval, proportion_difference_interval
+from tuner.measure.statistics import Interval, proportion_difference_interval
 
 MIN_FOR_ROLLBACK = 5  # finished canary requests before an early rollback is judged
 

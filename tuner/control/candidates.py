@@ -14,9 +14,9 @@ from loadtest.summary import SLO
 from policies import Policy, WorkloadSpec
 from tuner.control.guardrails import changed, move_policy, project, within
 from tuner.control.shape import Shape
-from tuner.screening import COMPARED, sample_configs
-from tuner.simulator_trial import SimTrialRunner
-from tuner.trial_runner import TrialOutcome
+from tuner.search.screening import COMPARED, sample_configs
+from tuner.simulation.simulator_trial import SimTrialRunner
+from tuner.trials.trial_runner import TrialOutcome
 
 LENGTH_SPREAD = 0.5  # the rebuilt workload's lengths: uniform within +-50 % of the live means
 MIN_GAIN = 0.05  # a candidate must beat the applied config's predicted goodput by this much (or its attainment)
@@ -70,8 +70,8 @@ def live_workload(shape: Shape) -> WorkloadSpec:
 def refitted_model(steps: list[dict[str, Any]], block_size: int, profile: str | Path | None) -> Any:
     """The shipped (or given) step-time profile rescaled to the engine's recent step records (unchanged when there
     are too few of them)."""
-    from tuner.simulator import profile_path
-    from tuner.step_time_model import StepTimeModel
+    from tuner.simulation.simulator import profile_path
+    from tuner.simulation.step_time_model import StepTimeModel
 
     model = StepTimeModel.load(profile_path(str(profile) if profile else None))
     tagged = [{**s, "block_size": block_size} for s in steps]
@@ -88,7 +88,7 @@ def search(policy: Policy, current: dict[str, Any], resolved: dict[str, Any], sh
     """Screen one move's candidates at the live rate times the policy's headroom; the best one if it beats the
     applied config's prediction (attainment reaching the target where the applied one's does not, or goodput by
     MIN_GAIN)."""
-    from tuner.simulator import limits_of
+    from tuner.simulation.simulator import limits_of
 
     retune = policy.control.retune
     model = refitted_model(steps, int(resolved.get("block_size") or 16), profile)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tuner.engine_handle import ConfigRejected, EngineHandle
+from tuner.trials.engine_handle import ConfigRejected, EngineHandle
 
 
 class LeasingEngine(EngineHandle):

@@ -28,7 +28,7 @@ from tuner.control.shape import Shape, shape_of
 from tuner.control.sources import MetricsSource, Scrape, SourceUnavailable
 from tuner.control.triggers import Trigger, first_trigger
 from tuner.control.window import CounterReset, WindowStats, knobs_of, window
-from tuner.engine_handle import ConfigRejected, EngineError
+from tuner.trials.engine_handle import ConfigRejected, EngineError
 
 WINDOW_COVER = 0.8  # a trigger window must span at least this share of its length within one config generation
 

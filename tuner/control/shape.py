@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tuner.control.window import WindowStats
-from tuner.statistics import Interval, mean_ratio_interval, rate_ratio_interval
+from tuner.measure.statistics import Interval, mean_ratio_interval, rate_ratio_interval
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Any
 from policies.control import Triggers
 from tuner.control.shape import Shape, drift_tests
 from tuner.control.window import WindowStats
-from tuner.statistics import lower_verdict
+from tuner.measure.statistics import lower_verdict
 
 
 @dataclass(frozen=True)

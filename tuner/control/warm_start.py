@@ -1,5 +1,5 @@
 """The warm start of a retune: the best feasible config of every study in the shared Optuna storage (the tuner's
-studies, tuner.study), screened with the controller's own candidates."""
+studies, tuner.search.study), screened with the controller's own candidates."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import optuna
 from sqlalchemy.exc import SQLAlchemyError
 
-from tuner.study import best_trial, open_storage
+from tuner.search.study import best_trial, open_storage
 
 MAX_STUDIES = 8  # the most recent studies read
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from loadtest.summary import SLO
 from tuner.control.sources import Scrape
-from tuner.statistics import Interval, proportion_interval
+from tuner.measure.statistics import Interval, proportion_interval
 
 ITL_P99 = "slotune_request_itl_p99_seconds"
 TTFT = "slotune_time_to_first_token_seconds"

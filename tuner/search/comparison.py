@@ -8,7 +8,7 @@ not (auto_tune has no such trial). ``default_trial=False`` leaves it out.
 
 Every config of the (finite) search space is simulated once up front, so each method's trial costs a table lookup,
 and the exhaustive optimum is known exactly. The samplers ask through the tuner's own code
-(tuner.objective.suggest_knobs, constraints repaired as in a real study) and get the SLO as Optuna constraints.
+(tuner.search.objective.suggest_knobs, constraints repaired as in a real study) and get the SLO as Optuna constraints.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Any, Callable
 import optuna
 
 from policies import Policy
-from tuner.objective import goodput, slo_constraints, suggest_knobs
-from tuner.simulator_trial import SimTrialRunner
-from tuner.structured_start import enqueue_start
-from tuner.study import ROLE_DEFAULT, enqueue_default, make_sampler
+from tuner.search.objective import goodput, slo_constraints, suggest_knobs
+from tuner.simulation.simulator_trial import SimTrialRunner
+from tuner.search.structured_start import enqueue_start
+from tuner.search.study import ROLE_DEFAULT, enqueue_default, make_sampler
 
 METHODS = ("tpe", "tpe-random-start", "gp", "random", "grid")
 
@@ -95,7 +95,7 @@ def run_method(method: str, policy: Policy, table: dict[str, Point], trials: int
                grid: list[dict[str, Any]] | None = None, default: Point | None = None) -> list[float]:
     """Best feasible goodput after each trial (0 until a feasible one is found). ``default``: the engine's default
     config, measured as a sampler's first trial as ``tune`` does (the grid ignores it)."""
-    from tuner.objective import CONSTRAINTS_ATTR
+    from tuner.search.objective import CONSTRAINTS_ATTR
 
     best, curve = 0.0, []
     if method == "grid":
@@ -108,7 +108,7 @@ def run_method(method: str, policy: Policy, table: dict[str, Point], trials: int
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # experimental-feature notices
-        # The tuner's own sampler settings for a study of this many trials (tuner.study.make_sampler).
+        # The tuner's own sampler settings for a study of this many trials (tuner.search.study.make_sampler).
         policy = policy.replace(sampler="tpe", start="random") if method == "tpe-random-start" else \
             policy.replace(sampler=method, start="structured" if method == "tpe" else policy.start)
         policy = policy.replace(trials=trials)

@@ -7,7 +7,7 @@ of the batch-1 trial with its order-statistic interval, the engine-side p99 inte
 difference is what the load generator and the host add), and the generator's own timing error (send lag p99).
 
 Where the load generator shares the engine's cores, the batch-1 run is repeated under each arrangement of the two
-(tuner/arrangement.py) and the least disturbing one is kept for the whole run.
+(tuner/trials/arrangement.py) and the least disturbing one is kept for the whole run.
 
 When even one request at a time misses the TBT target beyond the noise (the interval's lower end above it), no
 config can meet the SLO on this machine: tune says so with the figures and stops before searching.
@@ -25,11 +25,11 @@ import numpy as np
 
 from loadtest.records import RequestRecord
 from loadtest.summary import SLO
-from tuner.arrangement import Arrangement
-from tuner.measurement import FAILURES, MeasurementSpec, figures, segment_seed, window_records
-from tuner.statistics import Interval, upper_verdict
-from tuner.trial_backend import TrialBackend
-from tuner.trial_runner import TrialOutcome
+from tuner.trials.arrangement import Arrangement
+from tuner.measure.measurement import FAILURES, MeasurementSpec, figures, segment_seed, window_records
+from tuner.measure.statistics import Interval, upper_verdict
+from tuner.trials.trial_backend import TrialBackend
+from tuner.trials.trial_runner import TrialOutcome
 
 BATCH_1 = {"max_num_seqs": 1}
 SMALL_BATCH = {"max_num_seqs": 4}
@@ -43,7 +43,7 @@ class Floor:
     step_p99_small_batch: float | None  # decode-only steps with 2-4 sequences
     send_lag_p99: float | None  # the load generator's own timing error
     reason: str | None = None  # why it could not be measured
-    arrangement: str = ""  # where the load generator runs (tuner/arrangement.py): the least disturbing one tried
+    arrangement: str = ""  # where the load generator runs (tuner/trials/arrangement.py): the least disturbing one tried
     by_arrangement: dict[str, Any] = field(default_factory=dict)  # batch-1 p99 TBT interval per arrangement tried
 
     def below(self, slo: SLO) -> bool:

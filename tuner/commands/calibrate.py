@@ -7,7 +7,7 @@ The profiling load covers the shapes a search produces: several configs (block s
 chunks from small to large, batch limits from 1 to 16) are applied in turn with PATCH /admin/config, and each gets
 a mixed-length open-loop load whose rate ramps up, so batches grow from one sequence to full. A few lone requests
 first measure the HTTP path's latency. The engine's step records (GET /debug/steps) of every window, tagged with
-the config's block size, are fitted (tuner.step_time_model); the profile is saved with its held-out fit error and
+the config's block size, are fitted (tuner.simulation.step_time_model); the profile is saved with its held-out fit error and
 the profiled range of each input. The previous config is restored at the end.
 """
 
@@ -26,8 +26,8 @@ from typing import Any, Callable
 import httpx
 
 from loadtest.config import LoadConfig
-from tuner.engine_handle import ConfigRejected, EngineError, EngineHandle, ManagedEngine
-from tuner.step_time_model import ProfileError, StepTimeModel
+from tuner.trials.engine_handle import ConfigRejected, EngineError, EngineHandle, ManagedEngine
+from tuner.simulation.step_time_model import ProfileError, StepTimeModel
 
 # (knobs, ramp from, ramp to requests/s): small to large batches, budgets, chunks and blocks.
 DEFAULT_PLAN: list[tuple[dict[str, Any], float, float]] = [
@@ -137,7 +137,7 @@ def limits_from(admin_config: dict[str, Any]) -> dict[str, int]:
     only brackets the bytes per token (num_kv_blocks = kv_cache_bytes // (bytes_per_token * block_size)); within
     the bracket the value with the most factors of two is taken (2 x layers x KV heads x head dim x element size
     is rich in them), which recovers the exact value for the usual model shapes."""
-    from tuner.simulator import DEFAULT_LIMITS
+    from tuner.simulation.simulator import DEFAULT_LIMITS
 
     knobs, resolved = admin_config.get("config", {}), admin_config.get("resolved") or {}
     size, bs, n = int(knobs.get("kv_cache_bytes") or 0), int(knobs.get("block_size") or 1), \

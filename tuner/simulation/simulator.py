@@ -39,7 +39,7 @@ from loadtest.records import RequestRecord
 from loadtest.summary import SLO, summarize
 from loadtest.tokens import UNIQUE, PromptBuilder, TokenSpace
 from loadtest.workloads import RequestSpec
-from tuner.step_time_model import StepFn, StepTimeModel
+from tuner.simulation.step_time_model import StepFn, StepTimeModel
 
 # The default model's limits (SmolLM2-135M in float32: 8192 tokens of context, 2 x 30 layers x 3 KV heads x 64 x 4 B
 # per token); a profile made by `slotune calibrate` carries the limits of the engine it measured.
@@ -66,7 +66,7 @@ _STEP_FIELDS = ("step", "start_time", "total_s", "num_prefill_seqs", "num_prefil
 
 
 class StepTimer(Protocol):
-    """What the simulator needs of a step-time model (tuner.step_time_model.StepTimeModel is one)."""
+    """What the simulator needs of a step-time model (tuner.simulation.step_time_model.StepTimeModel is one)."""
 
     gap_s: float
     request_latency_s: float

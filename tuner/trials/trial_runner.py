@@ -32,10 +32,10 @@ from loadtest.config import LoadConfig
 from loadtest.runner import LOCUSTFILE, LoadTestError, run_loadtest
 from loadtest.summary import SLO, summarize, write_summary
 from policies import PruningSpec, SLOTargets, WorkloadSpec
-from tuner.engine_handle import ConfigRejected, EngineError, EngineHandle, ManagedEngine
-from tuner.pruning import PruneWatcher, itl_buckets
-from tuner.step_stats import step_stats
-from tuner.trial_backend import load_config_for
+from tuner.trials.engine_handle import ConfigRejected, EngineError, EngineHandle, ManagedEngine
+from tuner.trials.pruning import PruneWatcher, itl_buckets
+from tuner.measure.step_stats import step_stats
+from tuner.trials.trial_backend import load_config_for
 
 __all__ = ["TrialOutcome", "TrialRunner", "step_stats", "TRIAL_FORMAT", "feasibility"]
 
@@ -55,7 +55,7 @@ def check_stop() -> None:
 class TrialOutcome:
     knobs: dict[str, Any]          # every knob applied (full config, not only the searched ones)
     summary: dict[str, Any]        # the loadtest summary dict (loadtest.summary.summarize), empty if none
-    step_stats: dict[str, float]   # see tuner.step_stats.STEP_STATS_KEYS
+    step_stats: dict[str, float]   # see tuner.measure.step_stats.STEP_STATS_KEYS
     feasible: bool
     reason: str | None             # why infeasible / failed (None when feasible)
     out_dir: Path | None
@@ -103,7 +103,7 @@ class TrialRunner:
     drain_timeout: float = 10.0
     idle_timeout: float = 60.0
     realtime: bool = True  # the load generator keeps its schedule while the engine saturates the CPUs
-    generator_cpus: tuple[int, ...] | None = None  # keep the load generator to these cores (tuner/floor.py)
+    generator_cpus: tuple[int, ...] | None = None  # keep the load generator to these cores (tuner/measure/floor.py)
     base_knobs: dict[str, Any] | None = None  # the config a trial's knobs are laid over (default: the engine's now)
     on_progress: Callable[[dict[str, Any]], None] | None = None
 

@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 from slotune.units import format_duration
 from engine.knobs import KNOB_BY_NAME, KNOB_NAMES
 from policies import Policy, PolicyError, SLOTargets, load_policy
-from tuner.flags import CliError, check_workload, duration_arg
+from tuner.commands.flags import CliError, check_workload, duration_arg
 
 PROG = "slotune sweep"
 SWEEP_FORMAT = "slotune-sweep/1"
@@ -177,7 +177,7 @@ def _fmt(x: Any, scale: float = 1.0, unit: str = "") -> str:
 
 def engine_runner(plan: SweepPlan, engine: Any) -> Any:
     """The tuner's TrialRunner on `engine` (an EngineHandle, or a started ManagedEngine)."""
-    from tuner.trial_runner import TrialRunner
+    from tuner.trials.trial_runner import TrialRunner
 
     p = plan.policy
     return TrialRunner(engine, workload=p.workload, rate=plan.rate, duration=p.trial_duration, warmup=p.warmup,
@@ -187,9 +187,9 @@ def engine_runner(plan: SweepPlan, engine: Any) -> Any:
 def simulator_runner(plan: SweepPlan) -> Any:
     """The simulator's SimTrialRunner (same run(knobs, out_dir) -> TrialOutcome), with the calibrated profile."""
     from loadtest.summary import SLO
-    from tuner.simulator import limits_of, profile_path
-    from tuner.simulator_trial import SimTrialRunner
-    from tuner.step_time_model import ProfileError, StepTimeModel
+    from tuner.simulation.simulator import limits_of, profile_path
+    from tuner.simulation.simulator_trial import SimTrialRunner
+    from tuner.simulation.step_time_model import ProfileError, StepTimeModel
 
     try:
         model = StepTimeModel.load(profile_path(plan.profile))
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         simulator = simulator_runner(plan) if plan.simulate else None
     except CliError as error:
         parser.exit(2, f"{PROG}: error: {error}\n")
-    from tuner.engine_handle import EngineError, EngineHandle, ManagedEngine
+    from tuner.trials.engine_handle import EngineError, EngineHandle, ManagedEngine
 
     previous_sigterm = signal.signal(signal.SIGTERM, _sigterm)
     p = plan.policy

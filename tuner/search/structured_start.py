@@ -22,7 +22,7 @@ import optuna
 from optuna.trial import TrialState
 
 from policies import KnobRange, Policy
-from tuner.objective import meets_constraints
+from tuner.search.objective import meets_constraints
 
 ROLE_START = "start"  # a trial of the structured start (start_config)
 START_STEP_ATTR = "start_step"  # which part of the start: "line" (max_num_seqs bisection) or "step" (boundary steps)

@@ -18,17 +18,17 @@ import optuna
 
 from slotune.units import format_duration
 from loadtest.summary import SLO
-from tuner.capacity import CapacitySearcher, capacity_searcher
-from tuner.floor import measure_floor
-from tuner.measurement import Measurement
+from tuner.measure.capacity import CapacitySearcher, capacity_searcher
+from tuner.measure.floor import measure_floor
+from tuner.measure.measurement import Measurement
 from tuner.output import short_knobs, write_report, write_tuned_yaml, write_vllm
-from tuner.simulator_trial import SimTrialRunner
-from tuner.study import ROLE_DEFAULT, TrialReport, measured, run_trials
-from tuner.trial_runner import TrialRunner
-from tuner.verdict import DEFAULT, Contender, VerdictResult, paired_verdict, verdict_line
+from tuner.simulation.simulator_trial import SimTrialRunner
+from tuner.search.study import ROLE_DEFAULT, TrialReport, measured, run_trials
+from tuner.trials.trial_runner import TrialRunner
+from tuner.measure.verdict import DEFAULT, Contender, VerdictResult, paired_verdict, verdict_line
 
 if TYPE_CHECKING:
-    from tuner.session import TuneSession
+    from tuner.commands.session import TuneSession
 
 PROG = "tune"
 SCREENED = 40  # configs the simulator screens for capacity when --screen is not given
@@ -57,7 +57,7 @@ class CapacityRun:
         p = self.p
         say(f"{PROG}: measuring this machine's floor (batch 1 under each arrangement of the load generator, then "
             f"batch 4) ...")
-        from tuner import arrangement
+        from tuner.trials import arrangement
 
         floor, _ = measure_floor(self.runner, self.s.trials_dir / "floor", spec=self.searcher.spec,
                                  arrangements=arrangement.candidates(self.runner),
@@ -98,8 +98,8 @@ class CapacityRun:
     def screen(self) -> None:
         """The simulator, its step times rescaled to the steps the engine just ran, screens the space for capacity;
         the best few become the next trials, each search starting at its predicted capacity."""
-        from tuner.capacity import capacity_searcher as searcher_on
-        from tuner.screening import _sample, measured_steps, sim_runner_like
+        from tuner.measure.capacity import capacity_searcher as searcher_on
+        from tuner.search.screening import _sample, measured_steps, sim_runner_like
 
         # on a simulated engine (tests) the screen is that simulator itself
         sim = self.runner if isinstance(self.runner, SimTrialRunner) else \

@@ -2,7 +2,7 @@
 
 On a machine where the load generator shares the engine's cores, each arrangement disturbs differently: a
 real-time-priority generator keeps its schedule but preempts engine steps; a normal one is itself delayed (its
-token timestamps late); separate cores for the two take cores from the engine. The floor (tuner/floor.py) measures
+token timestamps late); separate cores for the two take cores from the engine. The floor (tuner/measure/floor.py) measures
 one request at a time under each arrangement and keeps the first (real-time priority) unless another's client-side
 p99 TBT is lower beyond the noise (the engine's own work is the same in each; what differs is what the arrangement
 adds), reporting the engine-side p99 beside it.
@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from tuner.engine_handle import ManagedEngine
-from tuner.simulator_trial import SimTrialRunner
-from tuner.trial_runner import TrialRunner
+from tuner.trials.engine_handle import ManagedEngine
+from tuner.simulation.simulator_trial import SimTrialRunner
+from tuner.trials.trial_runner import TrialRunner
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ import optuna
 
 from loadtest.summary import SLO
 from policies import Policy
-from tuner.capacity import Capacity, CapacitySearcher
-from tuner.trial_backend import TrialBackend
-from tuner.trial_runner import TrialOutcome, TrialRunner
+from tuner.measure.capacity import Capacity, CapacitySearcher
+from tuner.trials.trial_backend import TrialBackend
+from tuner.trials.trial_runner import TrialOutcome, TrialRunner
 
 CONSTRAINTS_ATTR = "constraints"  # the user attr constraints_func reads (Optuna stores its result in system attrs)
 FAILED_VIOLATION = 1.0  # seconds: what a trial with no measurement violates each target by
@@ -87,7 +87,7 @@ def evaluate_goodput(runner: TrialRunner | TrialBackend, knobs: dict[str, Any], 
 
 
 def evaluate_capacity(searcher: CapacitySearcher, knobs: dict[str, Any], out_dir: Path) -> Evaluation:
-    """The config's capacity by a rate search (tuner/capacity.py); the outcome is the last window of the measurement
+    """The config's capacity by a rate search (tuner/measure/capacity.py); the outcome is the last window of the measurement
     at its capacity (feasible: some rate was shown to be served), the probes' figures go to the trial's attrs."""
     cap = searcher.search(knobs, out_dir)
     at = cap.at_capacity

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from policies import OBJECTIVES, SAMPLERS, Policy, PolicyError, load_policy
-from tuner.flags import CliError, check_workload, duration_arg
+from tuner.commands.flags import CliError, check_workload, duration_arg
 
 PROG = "tune"
 
@@ -146,7 +146,7 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 
 def _interrupt(signum: int, frame: Any) -> NoReturn:
-    from tuner.trial_runner import STOP
+    from tuner.trials.trial_runner import STOP
 
     STOP.set()  # seen between the steps of a trial, should the exception below get swallowed
     raise KeyboardInterrupt  # SIGTERM gets the same clean-up as Ctrl-C: stop the engine, keep the study
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         policy = policy_from_args(args)
         token = check_args(args)
         check_workload(policy)
-        from tuner.study import StorageError, open_storage
+        from tuner.search.study import StorageError, open_storage
         try:
             storage = open_storage(args.storage)
         except StorageError as error:
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when started with SIGINT ignored
         signal.signal(signal.SIGINT, _interrupt)
-    from tuner.session import TuneSession
+    from tuner.commands.session import TuneSession
     session = TuneSession(args, policy, storage, token)
     try:
         return session.run()

@@ -16,7 +16,7 @@ import optuna
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-ROLE_DEFAULT = "default"  # the user attr "role" of the default-config trial (tuner.study.enqueue_default)
+ROLE_DEFAULT = "default"  # the user attr "role" of the default-config trial (tuner.search.study.enqueue_default)
 
 
 def _is_default(trial: FrozenTrial) -> bool:

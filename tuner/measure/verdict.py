@@ -6,7 +6,7 @@ the time budget run out.
 Each round measures each config's capacity again (a short rate search started at what the search found: a config's
 round capacity is the highest rate that round showed it serves). A config's capacity over the rounds is the
 geometric mean of its round capacities with a t interval on the log scale; the ratio of two configs is the paired
-ratio of their round capacities (tuner.statistics.paired_ratio_interval).
+ratio of their round capacities (tuner.measure.statistics.paired_ratio_interval).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tuner.capacity import MIN_RATE
-from tuner.statistics import DEFAULT_LEVEL, Interval, paired_ratio_interval, ratio_verdict
+from tuner.measure.capacity import MIN_RATE
+from tuner.measure.statistics import DEFAULT_LEVEL, Interval, paired_ratio_interval, ratio_verdict
 
 DEFAULT = "default"
 

@@ -20,8 +20,8 @@ from engine.cli import add_knob_arguments, knobs_from_args
 from engine.config import ConfigError, EngineConfig
 from loadtest.config import OPTIONS, LoadConfig
 from loadtest.summary import SLO, format_summary_table
-from tuner.simulator import limits_of, profile_path
-from tuner.step_time_model import ProfileError, StepTimeModel
+from tuner.simulation.simulator import limits_of, profile_path
+from tuner.simulation.step_time_model import ProfileError, StepTimeModel
 
 # Load-test flags that mean nothing without a server.
 _SKIPPED = {"model", "out", "records-format", "lag-warn"}
@@ -67,10 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         return fail(str(error))
 
-    from tuner.simulator import simulate_load
-    from tuner.simulator_trial import write_trial_folder
-    from tuner.step_stats import step_stats
-    from tuner.trial_runner import TrialOutcome, feasibility
+    from tuner.simulation.simulator import simulate_load
+    from tuner.simulation.simulator_trial import write_trial_folder
+    from tuner.measure.step_stats import step_stats
+    from tuner.trials.trial_runner import TrialOutcome, feasibility
 
     limits = limits_of(model)
     with warnings.catch_warnings(record=True) as caught:

@@ -27,7 +27,7 @@ import numpy as np
 
 from loadtest.records import RequestRecord, read_records
 from loadtest.summary import SLO, attains, token_gaps
-from tuner.statistics import (
+from tuner.measure.statistics import (
     DEFAULT_LEVEL,
     Interval,
     Verdict,
@@ -36,10 +36,10 @@ from tuner.statistics import (
     quantile_interval,
     upper_verdict,
 )
-from tuner.trial_backend import TrialBackend
-from tuner.trial_runner import TrialOutcome
+from tuner.trials.trial_backend import TrialBackend
+from tuner.trials.trial_runner import TrialOutcome
 
-# reasons of a trial that measured nothing usable (tuner.trial_runner): the config fails at this rate
+# reasons of a trial that measured nothing usable (tuner.trials.trial_runner): the config fails at this rate
 FAILURES = ("rejected", "engine crashed", "load test failed", "could not", "the engine did not become idle")
 TARGET_SHARE = 0.9  # DESIGN.md: capacity = the highest rate at which >= 90 % of the requests attain the SLO
 

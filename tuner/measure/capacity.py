@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from policies import Policy
-from tuner.measurement import TARGET_SHARE, Measurement, MeasurementSpec, fewest_requests_to_show, measure
-from tuner.statistics import Interval
-from tuner.trial_backend import TrialBackend
+from tuner.measure.measurement import TARGET_SHARE, Measurement, MeasurementSpec, fewest_requests_to_show, measure
+from tuner.measure.statistics import Interval
+from tuner.trials.trial_backend import TrialBackend
 
 MIN_RATE = 0.02  # req/s: a config that does not serve this is infeasible at any rate
 
@@ -189,7 +189,7 @@ class CapacitySearcher:
 
 
 def capacity_searcher(runner: TrialBackend, policy: Policy) -> CapacitySearcher:  # a TrialRunner or SimTrialRunner
-    """The policy's rate search on ``runner`` (see tuner/capacity.py), its measurements sized by the policy."""
+    """The policy's rate search on ``runner`` (see tuner/measure/capacity.py), its measurements sized by the policy."""
     return CapacitySearcher(runner, measurement_spec(policy), [k.name for k in policy.search_space],
                             policy.capacity.resolution, policy.capacity.max_probes, policy.capacity.start_rate)
 

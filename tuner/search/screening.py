@@ -17,10 +17,10 @@ from typing import Any, Callable
 import optuna
 
 from policies import Policy
-from tuner.objective import goodput, suggest_knobs
+from tuner.search.objective import goodput, suggest_knobs
 from tuner.output import short_knobs
-from tuner.simulator_trial import SimTrialRunner
-from tuner.trial_runner import TrialOutcome, TrialRunner
+from tuner.simulation.simulator_trial import SimTrialRunner
+from tuner.trials.trial_runner import TrialOutcome, TrialRunner
 
 CONFIRMED = 3  # how many of the best screened configs the study confirms on the engine
 COMPARED = ("goodput_rps", "throughput_rps", "tbt_p99", "ttft_p99", "attainment")
@@ -39,7 +39,7 @@ class Screened:
 
 def sample_configs(policy: Policy, n: int, seed: int = 0) -> list[dict[str, Any]]:
     """Up to ``n`` distinct configs drawn uniformly (log-uniformly where the policy says log) from the policy's
-    search space, by the tuner's own sampling code (tuner.objective.suggest_knobs) under Optuna's random sampler."""
+    search space, by the tuner's own sampling code (tuner.search.objective.suggest_knobs) under Optuna's random sampler."""
     return [knobs for knobs, _ in _sample(policy, n, seed)]
 
 
@@ -72,8 +72,8 @@ def sim_runner_like(runner: TrialRunner, profile: str | Path | None = None,
     """A simulated twin of a real TrialRunner: same workload, rate, window, SLO, seed and base config; step times
     from ``profile`` (default: $SLOTUNE_PROFILE, else the shipped profile), rescaled to the engine's ``measured``
     step records when there are enough of them (StepTimeModel.rescaled; the scale is in ``timer.meta``)."""
-    from tuner.simulator import limits_of, profile_path
-    from tuner.step_time_model import StepTimeModel
+    from tuner.simulation.simulator import limits_of, profile_path
+    from tuner.simulation.step_time_model import StepTimeModel
 
     model = StepTimeModel.load(profile_path(str(profile) if profile else None))
     model = (model.rescaled(measured) if measured else None) or model
@@ -161,7 +161,7 @@ class Confirmation:
 
 
 def confirm(best: list[Screened], runner: TrialRunner, out_dir: Path) -> list[Confirmation]:
-    """Run each screened config as a real trial (tuner.trial_runner.TrialRunner) into ``out_dir/confirm-N``."""
+    """Run each screened config as a real trial (tuner.trials.trial_runner.TrialRunner) into ``out_dir/confirm-N``."""
     return [Confirmation(s.knobs, s.outcome, runner.run(s.knobs, Path(out_dir) / f"confirm-{i}"))
             for i, s in enumerate(best)]
 

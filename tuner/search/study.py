@@ -25,13 +25,13 @@ from optuna.trial import TrialState
 
 from loadtest.summary import SLO
 from policies import Policy
-from tuner.objective import (CONSTRAINTS_ATTR, Evaluation, constraints_func, evaluate_capacity, evaluate_goodput,
+from tuner.search.objective import (CONSTRAINTS_ATTR, Evaluation, constraints_func, evaluate_capacity, evaluate_goodput,
                              meets_constraints, suggest_knobs)
-from tuner.capacity import CapacitySearcher, capacity_searcher
-from tuner.samplers import ROLE_DEFAULT, SamplerWithoutDefaultTrial
-from tuner.structured_start import enqueue_start, startup_trials
-from tuner.trial_backend import TrialBackend
-from tuner.trial_runner import TrialOutcome, TrialRunner, check_stop
+from tuner.measure.capacity import CapacitySearcher, capacity_searcher
+from tuner.search.samplers import ROLE_DEFAULT, SamplerWithoutDefaultTrial
+from tuner.search.structured_start import enqueue_start, startup_trials
+from tuner.trials.trial_backend import TrialBackend
+from tuner.trials.trial_runner import TrialOutcome, TrialRunner, check_stop
 
 DEFAULT_STORAGE = "sqlite:///tune-study.db"
 # Marks a trial asked past the budget by a racing process and failed at once (the dashboard hides it).
@@ -106,7 +106,7 @@ def _postgres_driver(url: str) -> str:
 def make_sampler(policy: Policy, seed: int | None = None) -> optuna.samplers.BaseSampler:
     seed = policy.seed if seed is None else seed
     startup = startup_trials(policy)
-    # The model-based samplers must not see the default-config trial (no params: see tuner/samplers.py).
+    # The model-based samplers must not see the default-config trial (no params: see tuner/search/samplers.py).
     if policy.sampler == "tpe":
         return SamplerWithoutDefaultTrial(optuna.samplers.TPESampler(
             seed=seed, n_startup_trials=startup, constraints_func=constraints_func, multivariate=True))

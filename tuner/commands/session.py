@@ -15,12 +15,12 @@ from optuna.trial import TrialState
 
 from slotune.units import format_duration
 from policies import Policy
-from tuner.engine_handle import EngineError, EngineHandle, ManagedEngine
+from tuner.trials.engine_handle import EngineError, EngineHandle, ManagedEngine
 from tuner.output import short_knobs, write_report, write_tuned_yaml, write_vllm
-from tuner.study import (ROLE_DEFAULT, TrialReport, best_trial, choose_rate, closest_trial, counted_trials,
+from tuner.search.study import (ROLE_DEFAULT, TrialReport, best_trial, choose_rate, closest_trial, counted_trials,
                          default_trial, enqueue_default, open_study, recover_orphans, run_trials,
                          study_name_for)
-from tuner.trial_runner import TrialOutcome, TrialRunner
+from tuner.trials.trial_runner import TrialOutcome, TrialRunner
 
 PROG = "tune"
 
@@ -117,8 +117,8 @@ class TuneSession:
         return self.finish(study, runner, model, rate, rate_reason)
 
     def run_capacity(self, study: optuna.Study, runner: TrialRunner, model: str | None) -> int:
-        """The default objective: capacity per config, the paired verdict (tuner/capacity_run.py)."""
-        from tuner.capacity_run import CapacityRun
+        """The default objective: capacity per config, the paired verdict (tuner/commands/capacity_run.py)."""
+        from tuner.commands.capacity_run import CapacityRun
 
         p = self.policy
         for k, v in {"slo": p.slo.as_dict(), "workload": p.workload.as_dict(), "objective": p.objective,
@@ -138,7 +138,7 @@ class TuneSession:
         """--screen N: the simulator screens N configs and enqueues the best few into the study, whose next trials
         confirm them on the engine (predicted against measured is printed at the end)."""
         # the simulator (it runs the engine's torch-free scheduler) is imported only when asked for
-        from tuner.screening import CONFIRMED, measured_steps, screen, sim_runner_like
+        from tuner.search.screening import CONFIRMED, measured_steps, screen, sim_runner_like
 
         steps = measured_steps(study)
         if not steps:
@@ -210,7 +210,7 @@ class TuneSession:
                  f"{rate:.3g} req/s; rate: {rate_reason}"]
         screened = ""
         if getattr(self.args, "screen", None):
-            from tuner.screening import screen_report  # see TuneSession.screen
+            from tuner.search.screening import screen_report  # see TuneSession.screen
 
             screened = screen_report(study)
         if screened:

@@ -1,7 +1,7 @@
-"""Simulated trials: the same TrialOutcome and trial folder as a real trial (tuner.trial_runner), with
+"""Simulated trials: the same TrialOutcome and trial folder as a real trial (tuner.trials.trial_runner), with
 ``"simulated": true``, from the simulator instead of a load test against the engine.
 
-    records.parquet, summary.json, steps.jsonl, trial.json  (see tuner/trial_runner.py)
+    records.parquet, summary.json, steps.jsonl, trial.json  (see tuner/trials/trial_runner.py)
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from loadtest.config import LoadConfig
 from loadtest.records import write_records
 from loadtest.summary import SLO, write_summary
 from policies import WorkloadSpec
-from tuner.simulator import DEFAULT_LIMITS, SimResult, StepTimer, simulate_load
-from tuner.step_stats import step_stats
-from tuner.trial_backend import load_config_for
-from tuner.trial_runner import TRIAL_FORMAT, TrialOutcome, feasibility
+from tuner.simulation.simulator import DEFAULT_LIMITS, SimResult, StepTimer, simulate_load
+from tuner.measure.step_stats import step_stats
+from tuner.trials.trial_backend import load_config_for
+from tuner.trials.trial_runner import TRIAL_FORMAT, TrialOutcome, feasibility
 
 
 def write_trial_folder(out_dir: Path, result: SimResult, summary: dict[str, Any], outcome: TrialOutcome,
