@@ -1,5 +1,5 @@
 """Full-page screenshots of dashboard pages in headless Chromium (Debian's ``chromium`` and ``chromium-driver``).
-The browser tests take theirs with this code; the README's pictures of real runs come from the command:
+The browser tests take theirs with this code; the pictures of real runs in docs/dashboard.md come from the command:
 
     python -m dashboards.screenshots --url http://127.0.0.1:8050 --out docs/screenshots \\
         curves='/curves?sweep=sweep-max_num_seqs' study='/study?name=NAME'

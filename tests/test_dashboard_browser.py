@@ -26,7 +26,7 @@ from dashboards.study import load_study
 from tests import dashboard_data as data
 from tests.server_helpers import REPO, SubprocessServer, free_port
 
-SCREENSHOTS = REPO / "build" / "screenshots"  # untracked; the README shows real runs (docs/screenshots)
+SCREENSHOTS = REPO / "build" / "screenshots"  # untracked; docs/dashboard.md shows real runs (docs/screenshots)
 TOKEN = "dashboard-test-token"
 WAIT_S = 90.0
 N_TRIALS = 12
