@@ -1,6 +1,6 @@
 """The engine's dtype. ``"auto"`` picks bfloat16 where the CPU has bf16 instructions (AVX512-BF16 or
 AMX-BF16) and the engine's bf16 C++ kernels are faster than its fp32 ones on this machine (measured once, kept with
-the built kernels), float32 otherwise; the choice and its reason are printed at start-up and kept on the engine, so
+the built kernels), float32 otherwise; on a CUDA GPU with native bf16, bfloat16; the choice and its reason are printed at start-up and kept on the engine, so
 that every benchmark records them. float32 is the dtype that is token-exact against transformers in float32."""
 
 from __future__ import annotations
@@ -42,9 +42,11 @@ def choose_dtype(requested: str, device: str) -> DtypeChoice:
         if requested not in DTYPES:
             raise ValueError(f"invalid dtype={requested!r}: must be 'auto' or one of {', '.join(DTYPES)}")
         return DtypeChoice(requested, f"dtype {requested}: as requested")
+    if torch.device(device).type == "cuda":
+        return _cuda_dtype(device)
     if torch.device(device).type != "cpu":
-        return DtypeChoice("float32", f"dtype auto -> float32: the bf16 choice is made for CPUs (device {device}; "
-                                      "pass dtype='bfloat16' to use it)")
+        return DtypeChoice("float32", f"dtype auto -> float32: no bf16 rule for device {device} "
+                                      "(pass dtype='bfloat16' to use it)")
     flags = cpu_bf16_flags()
     if not flags:
         return DtypeChoice("float32", "dtype auto -> float32: the CPU has no bf16 instructions "
@@ -60,3 +62,12 @@ def choose_dtype(requested: str, device: str) -> DtypeChoice:
                                       f"are not faster here (bf16 speed / fp32: {measured})")
     return DtypeChoice("bfloat16", f"dtype auto -> bfloat16: {', '.join(flags)} present, bf16 C++ kernels "
                                    f"({kernels.get_bf16_kernel()}) faster here (bf16 speed / fp32: {measured})")
+
+
+def _cuda_dtype(device: str) -> DtypeChoice:
+    """bf16 on a GPU that computes in it (Ampere and later: tensor cores, and half the weight and KV bytes),
+    float32 on an older one (its bf16 is emulated)."""
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False):
+        return DtypeChoice("bfloat16", f"dtype auto -> bfloat16: {device} computes in bf16")
+    return DtypeChoice("float32", f"dtype auto -> float32: {device} has no native bf16 (or no CUDA device is "
+                                  "visible)")

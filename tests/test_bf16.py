@@ -187,7 +187,10 @@ def test_dtype_auto_chooses_by_cpu_flags_and_kernel_speed(tmp_path: Path, capfd)
         assert kernels is not None
         faster = min(fused_layers.bf16_speedup(kernels).values()) > 1.0
         assert choice.name == ("bfloat16" if faster else "float32") and cpu_bf16_flags()[0] in choice.reason
-    assert choose_dtype("float32", "cpu").name == "float32" and choose_dtype("auto", "cuda").name == "float32"
+    assert choose_dtype("float32", "cpu").name == "float32"
+    cuda = choose_dtype("auto", "cuda")  # bf16 exactly where a GPU computes in it natively
+    native = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    assert cuda.name == ("bfloat16" if native else "float32"), cuda.reason
     with pytest.raises(ValueError, match="invalid dtype='fp8'"):
         choose_dtype("fp8", "cpu")
     cpuinfo = tmp_path / "cpuinfo"
