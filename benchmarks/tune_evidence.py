@@ -5,7 +5,8 @@
         tuned capacities' intervals and verdicts; then an independent `slotune loadtest` (60 s, arrival seed 987654,
         which no study uses) of the tuned config at its claimed capacity, and of the default config at that rate.
     python benchmarks/tune_evidence.py versus --workload mixed --out docs/bench/tune-vs-default-mixed.json
-    python benchmarks/tune_evidence.py versus --workload azure --out docs/bench/tune-vs-default-azure.json
+    python benchmarks/tune_evidence.py versus --workload azure --trace TRACES/azure2023/AzureLLMInferenceTrace_conv.csv \
+        --out docs/bench/tune-vs-default-azure.json
         One `tune` run: the tuned config's capacity against the default config's (the engine's defaults, vLLM's for
         these knobs), with intervals; Azure: the conversation trace, lengths x1/8, clipped to 2,048 tokens, its
         timeline rescaled by the rate search.
@@ -28,7 +29,6 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-AZURE = REPO.parent.parent / "shared" / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
 INDEPENDENT_SEED = 987654  # never an arrival seed of a study (those are draw * 1000 + window, draws < 200)
 
 
@@ -100,11 +100,13 @@ def reproducibility(out: Path, runs: int) -> dict[str, Any]:
             "verdicts_agree": len({v is None for v in verdicts}) == 1}
 
 
-def versus(out: Path, workload: str) -> dict[str, Any]:
-    extra = [] if workload == "mixed" else ["--workload", str(AZURE), "--policy", str(out.with_suffix(".policy.yaml"))]
+def versus(out: Path, workload: str, trace: Path | None) -> dict[str, Any]:
+    if workload != "mixed" and (trace is None or not trace.is_file()):
+        raise SystemExit(f"--workload azure needs --trace FILE (the Azure conversation trace CSV); got {trace}")
+    extra = [] if workload == "mixed" else ["--workload", str(trace), "--policy", str(out.with_suffix(".policy.yaml"))]
     if workload != "mixed":
         policy = yaml.safe_load((REPO / "policies" / "default.yaml").read_text())
-        policy["workload"] = {"name": str(AZURE), "length_scale": 0.125, "max_context": 2048}
+        policy["workload"] = {"name": str(trace), "length_scale": 0.125, "max_context": 2048}
         out.with_suffix(".policy.yaml").write_text(yaml.safe_dump(policy))
     return run_tune(out.with_suffix(""), extra)
 
@@ -113,12 +115,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=("reproducibility", "versus"))
     p.add_argument("--workload", choices=("mixed", "azure"), default="mixed")
+    p.add_argument("--trace", type=Path, help="the Azure conversation trace (AzureLLMInferenceTrace_conv.csv)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--out", required=True)
     a = p.parse_args()
     out = Path(a.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = reproducibility(out, a.runs) if a.what == "reproducibility" else versus(out, a.workload)
+    result = reproducibility(out, a.runs) if a.what == "reproducibility" else versus(out, a.workload, a.trace)
     result.update(cpu=cpu_name(), cores=__import__("os").cpu_count(), date=time.strftime("%Y-%m-%dT%H:%M:%S"))
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     runs = result.get("runs") or [result]
