@@ -45,7 +45,8 @@ def write_trial_folder(out_dir: Path, result: SimResult, summary: dict[str, Any]
 @dataclass
 class SimTrialRunner:
     """TrialRunner's interface on the simulator: ``run(knobs, out_dir, rate)`` -> TrialOutcome (simulated).
-    The window is [warmup, warmup + duration) of the schedule, as in a real trial."""
+    The window is [warmup, warmup + duration) of the schedule and its step records those from the window's opening
+    to the end of the run (tuner.measure.step_stats.window_steps), as in a real trial."""
 
     timer: StepTimer
     limits: ModelLimits = DEFAULT_LIMITS
