@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -138,3 +139,151 @@ def test_the_screens_simulator_runs_at_the_speed_the_engine_just_measured(tmp_pa
     knobs = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "chunk_size": 32}
     fast_tbt, slow_tbt = twin.run(knobs).summary["tbt_p50"], slower.run(knobs).summary["tbt_p50"]
     assert 1.7 < slow_tbt / fast_tbt < 3.2  # 2x per step; a little more as slower steps batch more requests
+
+
+# The per-trial refit of the screen's speed --------------------------------------------------------------------------
+SHAPES = [(0, 0, 1, 40), (0, 0, 4, 300), (1, 24, 3, 200), (2, 64, 0, 64), (0, 0, 6, 700)]
+
+
+def add_real_trial(study, folder, profile: StepTimeModel, speed: float, n_steps: int, seed: int,
+                   params: dict | None = None) -> None:
+    """A completed real trial whose engine ran ``speed`` times the profile's step times, with a step-to-step noise
+    of about 20 % (its steps.jsonl in ``folder``); with ``params``, it is the study's next (enqueued) trial."""
+    import json
+
+    import numpy as np
+    import optuna
+
+    from tuner.search.objective import suggest_knobs
+
+    rng = np.random.default_rng(seed)
+    steps = []
+    for i in range(n_steps):
+        p_seqs, p_tok, dec, ctx = SHAPES[i % len(SHAPES)]
+        rec = {"num_prefill_seqs": p_seqs, "num_prefill_tokens": p_tok, "num_decode_tokens": dec,
+               "context_tokens": ctx, "num_swapped_blocks": 0}
+        steps.append({**rec, "total_s": speed * profile.predict_record(rec, 16) * float(rng.lognormal(0, 0.2))})
+    folder.mkdir(parents=True)
+    (folder / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    attrs = {"knobs": {"block_size": 16}, "trial_dir": str(folder), "simulated": False}
+    if params is None:
+        study.add_trial(optuna.trial.create_trial(value=1.0, user_attrs=attrs))
+        return
+    trial = study.ask()
+    assert trial.params == {} and suggest_knobs(trial, POLICY) and trial.params == params  # the enqueued config
+    for k, v in attrs.items():
+        trial.set_user_attr(k, v)
+    study.tell(trial, 1.0)
+
+
+def test_the_screens_speed_converges_to_the_engines_as_real_trials_add_their_steps(tmp_path) -> None:
+    # the first trial ran on a busy machine (3x the profile); every later one at the engine's usual 1.8x. One factor
+    # from the first trial would screen every later trial at 3x; refitted to all the trials so far it converges.
+    import optuna
+
+    from tuner.search.screening import Rescreen, load_profile, speed_scale
+
+    profile = load_profile()
+    study = optuna.create_study(direction="maximize")
+    scales: list[float] = []
+    rescreen = Rescreen(profile, lambda model: [({"x": speed_scale(model)}, {})])
+    for i in range(12):
+        add_real_trial(study, tmp_path / f"trial-{i}", profile, 3.0 if i == 0 else 1.8, 40, seed=i)
+        rescreen.refit(study)
+        scales.append(rescreen.scale)
+        assert rescreen.ranking == [({"x": rescreen.scale}, {})]  # ranked on the model it refitted
+    assert scales[0] == pytest.approx(3.0, rel=0.1)
+    errors = [abs(s / 1.8 - 1) for s in scales]
+    assert errors[-1] < 0.05 and max(errors[-4:]) < errors[1] < errors[0]
+    # within the tolerance the ranking stays (it is not simulated again for a change that reorders nothing)
+    assert rescreen.rankings < len(scales)
+    assert Rescreen(None, lambda model: []).fitted(study) is None  # a simulated engine: nothing to rescale
+
+
+def test_each_next_screened_trial_is_the_best_at_the_speed_refitted_after_the_trial_before(tmp_path) -> None:
+    import optuna
+
+    from tuner.search.screening import Rescreen, _sample, load_profile, speed_scale
+
+    profile = load_profile()
+    configs = [params for _, params in _sample(POLICY, 3, seed=0)]
+    assert len(configs) == 3
+    calls: list[float] = []
+
+    def rank(model):  # a landscape that turns over when the engine gets twice slower
+        calls.append(speed_scale(model))
+        order = configs if speed_scale(model) < 2.0 else configs[::-1]
+        return [(p, {"screen_predicted": {"goodput_rps": 1.0}}) for p in order]
+
+    study = optuna.create_study(direction="maximize")
+    add_real_trial(study, tmp_path / "default", profile, 1.0, 40, seed=0)  # the default config's trial
+    rescreen = Rescreen(profile, rank, top=2)
+    assert rescreen.enqueue_next(study) == (configs[0], {"screen_predicted": {"goodput_rps": 1.0}})
+    assert rescreen.enqueue_next(study) is None  # one waits already
+    waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    assert [(t.user_attrs["role"], t.user_attrs["screen_rank"]) for t in waiting] == [("screened", 1)]
+    assert waiting[0].user_attrs["screen_scale"] == pytest.approx(1.0, rel=0.1)
+
+    # the first screened trial finds the engine three times slower than the profile: the screen is ranked again
+    add_real_trial(study, tmp_path / "screened-1", profile, 3.0, 120, seed=1, params=configs[0])
+    nxt = rescreen.enqueue_next(study)
+    assert calls[0] == pytest.approx(1.0, rel=0.1) and calls[1] == pytest.approx(3.0, rel=0.1) and len(calls) == 2
+    assert nxt is not None and nxt[0] == configs[2]  # the best of the new ranking, not the old ranking's second
+    waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    assert waiting[0].user_attrs["screen_rank"] == 1 and waiting[0].user_attrs["screen_scale"] == pytest.approx(
+        rescreen.scale) == calls[1]
+    add_real_trial(study, tmp_path / "screened-2", profile, 3.0, 40, seed=2, params=configs[2])
+    assert rescreen.enqueue_next(study) is None  # top=2 screened trials ran
+
+
+class SlowingEngine:
+    """The simulator standing in for a real engine (its trials count as measured) that runs ``speeds[i]`` times the
+    profile's step times in its i-th trial (the last speed from then on)."""
+
+    def __init__(self, profile: StepTimeModel, speeds: list[float]) -> None:
+        self.profile, self.speeds, self.runs = profile, speeds, 0
+        self.sim = SimTrialRunner(profile, workload=POLICY.workload, rate=3.0, duration=8.0, warmup=1.0,
+                                  slo=SLO(0.06))
+
+    def __getattr__(self, name: str):
+        return getattr(self.sim, name)
+
+    def run(self, knobs, out_dir=None, rate=None, seed=None):
+        import dataclasses
+
+        speed = self.speeds[min(self.runs, len(self.speeds) - 1)]
+        self.runs += 1
+        p = self.profile
+        timer = StepTimeModel(coef={k: v * speed for k, v in p.coef.items()}, ranges=p.ranges, gap_s=p.gap_s,
+                              request_latency_s=p.request_latency_s, token_latency_s=p.token_latency_s, noise=p.noise)
+        outcome = dataclasses.replace(self.sim, timer=timer).run(knobs, out_dir, rate, seed)
+        outcome.simulated = False
+        return outcome
+
+
+def test_tune_screen_ranks_each_next_trial_at_the_speed_of_the_trials_before(tmp_path, capsys) -> None:
+    # `tune --screen`: the default config's trial finds the engine at the profile's speed, the first screened trial
+    # three times slower; the second screened trial is the best of a screen run again at the new speed
+    from tuner.commands.session import TuneSession
+    from tuner.commands.tune import build_parser
+    from tuner.search.screening import load_profile
+    from tuner.search.study import enqueue_default, open_storage, open_study, run_trials
+
+    policy = POLICY.replace(objective="goodput", trials=3, rate=3.0)
+    args = build_parser().parse_args(["--out", str(tmp_path / "out" / "tuned.yaml"), "--screen", "12"])
+    storage = open_storage(f"sqlite:///{tmp_path}/study.db")
+    session = TuneSession(args, policy, storage, None)
+    study = open_study(storage, session.study_name, policy)
+    enqueue_default(study)
+    engine = SlowingEngine(load_profile(), [1.0, 3.0])
+    session.screen(study, engine)
+    run_trials(study, engine, policy, policy.trials, session.trials_dir, on_trial=session.after_trial(study))
+    out = capsys.readouterr().out
+    assert "screening 12 configs in the simulator (step times x1.0" in out, out
+    moved = re.search(r"the engine's speed moved from x1\.0\d to x(\d+\.\d\d) .*: screening the 12 configs again", out)
+    assert moved and float(moved.group(1)) > 1.3, out
+    screened = [t for t in study.trials if t.user_attrs.get("role") == "screened"]
+    assert [t.user_attrs["screen_rank"] for t in screened] == [1, 1]  # each the best of its ranking
+    assert screened[0].user_attrs["screen_scale"] == pytest.approx(1.0, abs=0.1)
+    assert screened[1].user_attrs["screen_scale"] == pytest.approx(float(moved.group(1)), abs=0.01)
+    assert screened[0].params != screened[1].params and len(study.trials) == 3

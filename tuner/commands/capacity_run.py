@@ -29,6 +29,7 @@ from tuner.measure.verdict import DEFAULT, Contender, VerdictResult, paired_verd
 
 if TYPE_CHECKING:
     from tuner.commands.session import TuneSession
+    from tuner.search.screening import Rescreen
 
 PROG = "tune"
 SCREENED = 40  # configs the simulator screens for capacity when --screen is not given
@@ -49,6 +50,7 @@ class CapacityRun:
         self.searcher: CapacitySearcher = capacity_searcher(runner, self.p)
         self.searcher.on_probe = self.probe_line
         self.floor: dict[str, Any] = {}
+        self.rescreen: Rescreen | None = None  # the screen kept at the engine's speed
 
     def probe_line(self, m: Measurement) -> None:
         say(f"    {m.rate:.3g} req/s: {m.describe()}")
@@ -79,7 +81,7 @@ class CapacityRun:
         self.screen()
         # the searches stop in time to leave the verdict its budget (a search in flight finishes)
         deadline = self.s.started + p.time_budget - p.verdict.budget
-        run_trials(self.study, self.runner, p, p.trials, self.s.trials_dir, on_trial=self.trial_line,
+        run_trials(self.study, self.runner, p, p.trials, self.s.trials_dir, on_trial=self.after_trial,
                    searcher=self.searcher, deadline=deadline)
         if time.monotonic() > deadline:
             say(f"{PROG}: the time budget ({format_duration(p.time_budget)}) leaves the verdict its "
@@ -96,32 +98,49 @@ class CapacityRun:
             f"{'?' if high is None else f'{high:.3g}'}) | best {best} | {format_duration(r.seconds)}")
 
     def screen(self) -> None:
-        """The simulator, its step times rescaled to the steps the engine just ran, screens the space for capacity;
-        the best few become the next trials, each search starting at its predicted capacity."""
+        """The simulator, its step times rescaled to the steps the engine ran, screens the space for capacity; the
+        best becomes the next trial, its search starting at its predicted capacity. After each trial the speed is
+        refitted to all the real trials so far and, when it moved, the configs are screened again, so that each next
+        screened trial is the best at the engine's present speed."""
         from tuner.measure.capacity import capacity_searcher as searcher_on
-        from tuner.search.screening import _sample, measured_steps, sim_runner_like
+        from tuner.search.screening import Rescreen, _sample, load_profile, sim_runner_like, speed_scale
+        from tuner.simulation.step_time_model import StepTimeModel
 
-        # on a simulated engine (tests) the screen is that simulator itself
-        sim = self.runner if isinstance(self.runner, SimTrialRunner) else \
-            sim_runner_like(self.runner, measured=measured_steps(self.study) or None)
-        rescaled = getattr(sim.timer, "meta", {}).get("rescaled")
         n = getattr(self.s.args, "screen", None) or SCREENED
-        say(f"{PROG}: screening {n} configs for capacity in the simulator"
-            + (f" (step times x{rescaled['scale']:.2f}, rescaled to {rescaled['steps']} engine steps)" if rescaled
-               else "") + " ...")
-        t0 = time.monotonic()
-        sim_search = searcher_on(sim, self.p)
-        ranked: list[tuple[float, dict[str, Any], dict[str, Any]]] = []
-        for knobs, params in _sample(self.p, n, self.p.seed):
-            cap = sim_search.search(knobs, self.s.trials_dir / "screen" / f"config-{len(ranked)}")
-            ranked.append((cap.value, knobs, params))
-        ranked.sort(key=lambda t: -t[0])
         top = max(0, self.p.trials - 1)
-        for i, (value, _, params) in enumerate(ranked[:top]):
-            self.study.enqueue_trial(params, user_attrs={"role": "screened", "screen_rank": i + 1,
-                                                         "screen_predicted_capacity": value}, skip_if_exists=True)
-        say(f"{PROG}: screened {len(ranked)} configs in {format_duration(time.monotonic() - t0)}; predicted "
-            f"capacities of the best {top}: " + ", ".join(f"{v:.3g}" for v, _, _ in ranked[:top]) + " req/s")
+
+        def rank(model: StepTimeModel | None) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+            # on a simulated engine (tests) the screen is that simulator itself
+            sim = self.runner if isinstance(self.runner, SimTrialRunner) else sim_runner_like(self.runner, model=model)
+            rescaled = (model.meta if model is not None else {}).get("rescaled")
+            if not rescreen.rankings:
+                say(f"{PROG}: screening {n} configs for capacity in the simulator"
+                    + (f" (step times x{rescaled['scale']:.2f}, rescaled to {rescaled['steps']} engine steps)"
+                       if rescaled else "") + " ...")
+            else:
+                say(f"{PROG}: the engine's speed moved from x{rescreen.scale:.2f} to x{speed_scale(model):.2f} "
+                    f"(rescaled to {rescaled['steps'] if rescaled else 0} engine steps): screening the {n} configs "
+                    f"again ...")
+            t0 = time.monotonic()
+            sim_search = searcher_on(sim, self.p)
+            ranked: list[tuple[float, dict[str, Any]]] = []
+            for knobs, params in _sample(self.p, n, self.p.seed):
+                cap = sim_search.search(knobs, self.s.trials_dir / "screen" / f"config-{len(ranked)}")
+                ranked.append((cap.value, params))
+            ranked.sort(key=lambda t: -t[0])
+            say(f"{PROG}: screened {len(ranked)} configs in {format_duration(time.monotonic() - t0)}; predicted "
+                f"capacities of the best {top}: " + ", ".join(f"{v:.3g}" for v, _ in ranked[:top]) + " req/s")
+            return [(params, {"screen_predicted_capacity": value}) for value, params in ranked]
+
+        rescreen = Rescreen(None if isinstance(self.runner, SimTrialRunner) else load_profile(), rank, top=top)
+        self.rescreen = rescreen
+        rescreen.enqueue_next(self.study)
+
+    def after_trial(self, r: TrialReport) -> None:
+        """The trial's line, then the next screened trial, ranked at the engine's speed."""
+        self.trial_line(r)
+        if self.rescreen is not None and r.done < r.total:
+            self.rescreen.enqueue_next(self.study)
 
     # ------------------------------------------------------------------------------------------------ verdict
 

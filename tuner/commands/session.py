@@ -8,7 +8,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import optuna
 from optuna.trial import TrialState
@@ -21,6 +21,9 @@ from tuner.search.study import (ROLE_DEFAULT, TrialReport, best_trial, choose_ra
                          default_trial, enqueue_default, open_study, recover_orphans, run_trials,
                          study_name_for)
 from tuner.trials.trial_runner import TrialOutcome, TrialRunner
+
+if TYPE_CHECKING:
+    from tuner.search.screening import Rescreen
 
 PROG = "tune"
 
@@ -45,6 +48,7 @@ class TuneSession:
         self.started = time.monotonic()
         self.trial_seconds: list[float] = []
         self.applied = False
+        self.rescreen: Rescreen | None = None  # --screen: the screen kept at the engine's speed
 
     # ---------------------------------------------------------------------------------------------- engine
 
@@ -110,7 +114,7 @@ class TuneSession:
         try:
             if getattr(self.args, "screen", None):
                 self.screen(study, runner)
-            run_trials(study, runner, p, p.trials, self.trials_dir, on_trial=self.progress)
+            run_trials(study, runner, p, p.trials, self.trials_dir, on_trial=self.after_trial(study))
         except EngineError as error:
             print(f"{PROG}: error: {error}", file=sys.stderr)
             return 1
@@ -135,29 +139,57 @@ class TuneSession:
             return 1
 
     def screen(self, study: optuna.Study, runner: TrialRunner) -> None:
-        """--screen N: the simulator screens N configs and enqueues the best few into the study, whose next trials
-        confirm them on the engine (predicted against measured is printed at the end)."""
+        """--screen N: the simulator screens N configs at the engine's measured speed and the best becomes the next
+        trial. After each real trial the speed is refitted to all the real trials so far and, when it moved, the
+        configs are screened again, so that each next screened trial is the best at the engine's present speed
+        (predicted against measured is printed at the end)."""
         # the simulator (it runs the engine's torch-free scheduler) is imported only when asked for
-        from tuner.search.screening import CONFIRMED, measured_steps, screen, sim_runner_like
+        from tuner.search.screening import CONFIRMED, Rescreen, load_profile, measured_steps, predicted, screen, \
+            sim_runner_like, speed_scale
+        from tuner.simulation.step_time_model import StepTimeModel
 
-        steps = measured_steps(study)
-        if not steps:
+        if not measured_steps(study):
             # the default config's trial (enqueued first) runs before the screen: its step records tell the
             # simulator how fast the engine runs now, which drifts from the profile's calibration
             run_trials(study, runner, self.policy, self.policy.trials, self.trials_dir, on_trial=self.progress,
                        max_runs=1)
-            steps = measured_steps(study)
-        sim = sim_runner_like(runner, measured=steps)
-        rescaled = sim.timer.meta.get("rescaled")  # type: ignore[attr-defined]
-        say(f"{PROG}: screening {self.args.screen} configs in the simulator"
-            + (f" (step times x{rescaled['scale']:.2f}: the profile rescaled to {rescaled['steps']} steps the engine"
-               f" just ran)" if rescaled else " (profile as calibrated: no engine steps measured yet)") + " ...")
-        t0 = time.monotonic()
-        ranked = screen(study=study, policy=self.policy, runner=sim, n=self.args.screen, out_dir=self.trials_dir)
-        feasible = sum(s.outcome.feasible for s in ranked)
-        say(f"{PROG}: screened {len(ranked)} configs in {format_duration(time.monotonic() - t0)}: {feasible} "
-            f"predicted feasible; the best {min(CONFIRMED, len(ranked))} are the next trials "
-            f"(ranking: {self.trials_dir / 'screen.json'})")
+        n = self.args.screen
+
+        def rank(model: StepTimeModel | None) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+            assert model is not None
+            rescaled = model.meta.get("rescaled")
+            if not rescreen.rankings:
+                say(f"{PROG}: screening {n} configs in the simulator"
+                    + (f" (step times x{rescaled['scale']:.2f}: the profile rescaled to {rescaled['steps']} steps the"
+                       f" engine just ran)" if rescaled else " (profile as calibrated: no engine steps measured yet)")
+                    + " ...")
+            else:
+                say(f"{PROG}: the engine's speed moved from x{rescreen.scale:.2f} to x{speed_scale(model):.2f} (the "
+                    f"profile rescaled to {rescaled['steps'] if rescaled else 0} steps of the real trials so far): "
+                    f"screening the {n} configs again ...")
+            t0 = time.monotonic()
+            ranked = screen(policy=self.policy, runner=sim_runner_like(runner, model=model), n=n,
+                            out_dir=self.trials_dir)
+            if not rescreen.rankings:
+                feasible = sum(s.outcome.feasible for s in ranked)
+                say(f"{PROG}: screened {len(ranked)} configs in {format_duration(time.monotonic() - t0)}: {feasible} "
+                    f"predicted feasible; the best {min(CONFIRMED, len(ranked))} are the next trials, each the best "
+                    f"at the engine's speed after the trials before it (ranking: {self.trials_dir / 'screen.json'})")
+            return [(s.params, {"screen_predicted": predicted(s.outcome)}) for s in ranked]
+
+        rescreen = Rescreen(load_profile(), rank, top=CONFIRMED)
+        self.rescreen = rescreen
+        rescreen.enqueue_next(study)
+
+    def after_trial(self, study: optuna.Study) -> Callable[[TrialReport], None]:
+        """The progress line of a trial, then (--screen) the next screened trial, ranked at the engine's speed."""
+
+        def on_trial(r: TrialReport) -> None:
+            self.progress(r)
+            if self.rescreen is not None and r.done < r.total:
+                self.rescreen.enqueue_next(study)
+
+        return on_trial
 
     def choose_rate(self, study: optuna.Study, runner: TrialRunner) -> tuple[float, str]:
         stored = study.user_attrs.get("rate")

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Iterable
 
 import numpy as np
 
 STEP_STATS_KEYS = ("steps", "mean_batch_seqs", "mean_prefill_tokens", "mean_decode_tokens", "prefill_token_share",
                    "preemptions", "kv_usage_mean", "kv_usage_max", "step_duration_p50", "step_duration_p99")
+
+
+def window_steps(step_records: Iterable[dict[str, Any]], start: float, end: float = math.inf
+                 ) -> list[dict[str, Any]]:
+    """The step records of a measurement window: those that started from the window's opening (``start``, wall
+    clock, the time base of StepRecord.start_time) until the run ended (``end``: the load test's end, its drain
+    included, or the moment it was stopped).
+
+    The window counts the requests sent in it, each to its last token, and most of those tokens are made after the
+    window closes (a request sent near the end is served in the drain): the steps that made them belong to the
+    window. The schedule sends nothing after the window, so the steps past its end serve only the window's
+    requests. (Cut at the window's end, a short window at a low rate kept few steps, or none when one long prefill
+    straddled the end.)"""
+    return [r for r in step_records if start <= r["start_time"] < end]
 
 
 def step_stats(step_records: list[dict[str, Any]]) -> dict[str, float]:

@@ -20,9 +20,13 @@ from policies import Policy
 from tuner.search.objective import goodput, suggest_knobs
 from tuner.output import short_knobs
 from tuner.simulation.simulator_trial import SimTrialRunner
+from tuner.simulation.step_time_model import StepTimeModel
 from tuner.trials.trial_runner import TrialOutcome, TrialRunner
 
 CONFIRMED = 3  # how many of the best screened configs the study confirms on the engine
+# The screen is ranked again when the engine's speed (the profile's scale) moved by more than this share since the
+# ranking was made: a smaller change reorders nothing beyond the simulator's own step-to-step noise.
+RESCREEN_TOLERANCE = 0.02
 COMPARED = ("goodput_rps", "throughput_rps", "tbt_p99", "ttft_p99", "attainment")
 
 
@@ -67,15 +71,23 @@ def rank(screened: list[Screened]) -> list[Screened]:
     return sorted(screened, key=lambda s: (not s.outcome.feasible, -s.goodput))
 
 
-def sim_runner_like(runner: TrialRunner, profile: str | Path | None = None,
-                    measured: list[dict[str, Any]] | None = None) -> SimTrialRunner:
-    """A simulated twin of a real TrialRunner: same workload, rate, window, SLO, seed and base config; step times
-    from ``profile`` (default: $SLOTUNE_PROFILE, else the shipped profile), rescaled to the engine's ``measured``
-    step records when there are enough of them (StepTimeModel.rescaled; the scale is in ``timer.meta``)."""
-    from tuner.simulation.simulator import limits_of, profile_path
-    from tuner.simulation.step_time_model import StepTimeModel
+def load_profile(profile: str | Path | None = None) -> StepTimeModel:
+    """The step-time profile ``profile``, else $SLOTUNE_PROFILE, else the shipped one."""
+    from tuner.simulation.simulator import profile_path
 
-    model = StepTimeModel.load(profile_path(str(profile) if profile else None))
+    return StepTimeModel.load(profile_path(str(profile) if profile else None))
+
+
+def sim_runner_like(runner: TrialRunner, profile: str | Path | None = None,
+                    measured: list[dict[str, Any]] | None = None, model: StepTimeModel | None = None
+                    ) -> SimTrialRunner:
+    """A simulated twin of a real TrialRunner: same workload, rate, window, SLO, seed and base config; step times
+    from ``model``, else from ``profile`` (default: $SLOTUNE_PROFILE, else the shipped profile), rescaled to the
+    engine's ``measured`` step records when there are enough of them (StepTimeModel.rescaled; the scale is in
+    ``timer.meta``)."""
+    from tuner.simulation.simulator import limits_of
+
+    model = model or load_profile(profile)
     model = (model.rescaled(measured) if measured else None) or model
     return SimTrialRunner(model, limits=limits_of(model), workload=runner.workload, rate=runner.rate,
                           duration=runner.duration, warmup=runner.warmup, slo=runner.slo,  # type: ignore[arg-type]
@@ -94,6 +106,91 @@ def measured_steps(study: optuna.Study) -> list[dict[str, Any]]:
             out += [{**json.loads(line), "block_size": block_size} for line in path.read_text().splitlines()
                     if line.strip()]
     return out
+
+
+def speed_scale(model: StepTimeModel | None) -> float:
+    """The factor ``model``'s step times were rescaled by to the engine's (1.0: the profile as calibrated)."""
+    return float(((model.meta if model is not None else {}).get("rescaled") or {}).get("scale", 1.0))
+
+
+# A screened config as the study enqueues it: the sampler's params, and the prediction kept in its user attrs.
+Candidate = tuple[dict[str, Any], dict[str, Any]]
+
+
+@dataclass
+class Rescreen:
+    """The screen kept at the engine's present speed, one screened trial at a time.
+
+    Before each screened trial the calibrated ``profile`` is rescaled to the step records of all the study's real
+    trials so far (:func:`measured_steps`, StepTimeModel.rescaled: one speed factor, the median measured/predicted
+    ratio of the pooled steps, so each trial adds its steps to the estimate rather than replacing it), and when that
+    factor moved by more than ``tolerance`` since the ranking was made, ``rank`` ranks the screened configs again on
+    the rescaled model. The next screened trial is the best config of the latest ranking that the study has not run;
+    ``top`` screened trials in all. ``profile`` None: a simulated engine, whose model needs no rescaling (ranked
+    once, with ``rank(None)``).
+
+    ``rank(model)`` simulates the screened configs with ``model``'s step times and returns them best first."""
+
+    profile: StepTimeModel | None
+    rank: Callable[[StepTimeModel | None], list[Candidate]]
+    top: int = CONFIRMED
+    tolerance: float = RESCREEN_TOLERANCE
+    model: StepTimeModel | None = None  # the model of the latest ranking
+    ranking: list[Candidate] = field(default_factory=list)
+    rankings: int = 0  # how many times it ranked
+
+    @property
+    def scale(self) -> float:
+        """The speed factor of the latest ranking."""
+        return speed_scale(self.model)
+
+    def fitted(self, study: optuna.Study) -> StepTimeModel | None:
+        """The profile rescaled to the step records of all the study's real trials (the profile itself while they
+        are too few)."""
+        if self.profile is None:
+            return None
+        steps = measured_steps(study)
+        return (self.profile.rescaled(steps) if steps else None) or self.profile
+
+    def refit(self, study: optuna.Study) -> bool:
+        """Rescale to the study's real trials so far; rank again when the speed moved beyond the tolerance (or
+        nothing was ranked yet). True when it ranked."""
+        model = self.fitted(study)
+        if self.rankings and abs(speed_scale(model) / self.scale - 1.0) <= self.tolerance:
+            return False
+        self.model, self.ranking = model, self.rank(model)
+        self.rankings += 1
+        return True
+
+    def due(self, study: optuna.Study) -> bool:
+        """Whether the study's next trial is a screened one: nothing waits in its queue and fewer than ``top``
+        screened trials were run, or are running."""
+        trials = study.get_trials(deepcopy=False)
+        if any(t.state == optuna.trial.TrialState.WAITING for t in trials):
+            return False
+        return sum(t.user_attrs.get("role") == "screened" and t.state in _LIVE for t in trials) < self.top
+
+    def enqueue_next(self, study: optuna.Study) -> Candidate | None:
+        """When a screened trial is :meth:`due`: refit, and enqueue the best config of the ranking that the study
+        has not tried (user attrs ``role: "screened"``, ``screen_rank``, ``screen_scale`` and the prediction).
+        Returns what it enqueued (None: nothing)."""
+        if not self.due(study):
+            return None
+        self.refit(study)
+        tried = {_key(t.params) for t in study.get_trials(deepcopy=False, states=_LIVE)}
+        for i, (params, prediction) in enumerate(self.ranking):
+            if _key(params) not in tried:
+                study.enqueue_trial(params, user_attrs={"role": "screened", "screen_rank": i + 1,
+                                                        "screen_scale": self.scale, **prediction})
+                return params, prediction
+        return None
+
+
+_LIVE = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING)  # a failed trial may run again
+
+
+def _key(params: dict[str, Any]) -> str:
+    return json.dumps(params, sort_keys=True, default=str)
 
 
 def screen(policy: Policy, n: int, runner: SimTrialRunner | TrialRunner, seed: int = 0,

@@ -18,7 +18,7 @@ from loadtest.records import write_records
 from loadtest.summary import SLO, write_summary
 from policies import WorkloadSpec
 from tuner.simulation.simulator import DEFAULT_LIMITS, SimResult, StepTimer, simulate_load
-from tuner.measure.step_stats import step_stats
+from tuner.measure.step_stats import step_stats, window_steps
 from tuner.trials.trial_backend import load_config_for
 from tuner.trials.trial_runner import TRIAL_FORMAT, TrialOutcome, feasibility
 
@@ -45,7 +45,8 @@ def write_trial_folder(out_dir: Path, result: SimResult, summary: dict[str, Any]
 @dataclass
 class SimTrialRunner:
     """TrialRunner's interface on the simulator: ``run(knobs, out_dir, rate)`` -> TrialOutcome (simulated).
-    The window is [warmup, warmup + duration) of the schedule, as in a real trial."""
+    The window is [warmup, warmup + duration) of the schedule and its step records those from the window's opening
+    to the end of the run (tuner.measure.step_stats.window_steps), as in a real trial."""
 
     timer: StepTimer
     limits: ModelLimits = DEFAULT_LIMITS
@@ -83,8 +84,7 @@ class SimTrialRunner:
             return TrialOutcome(knobs=full, summary={}, step_stats=step_stats([]), feasible=False,
                                 reason=f"rejected by the engine: {error}", out_dir=out_dir, simulated=True, rate=rate)
         t0 = result.t0
-        steps = [s for s in result.step_dicts() if t0 + self.warmup <= s["start_time"] < t0 + self.warmup
-                 + self.duration]
+        steps = window_steps(result.step_dicts(), t0 + self.warmup)  # as the engine's: the drain's steps too
         reason = feasibility(summary, self.slo)
         outcome = TrialOutcome(knobs=full, summary=summary, step_stats=step_stats(steps), feasible=reason is None,
                                reason=reason, out_dir=out_dir, simulated=True, rate=rate)

@@ -4,7 +4,8 @@ step statistics, and write the trial folder:
 
     records.parquet  the load test's records (warm-up included; the summary's ``window`` says what counts)
     summary.json     loadtest.summary.summarize over the window
-    steps.jsonl      the engine's step records of the window (StepRecord.to_dict(), one per line)
+    steps.jsonl      the engine's step records that made the window's tokens: from the window's opening to the end
+                     of the load test, its drain included (StepRecord.to_dict(), one per line; step_stats.window_steps)
     trial.json       {"format": "slotune-trial/1", knobs, step_stats, feasible, reason, workload, rate, slo,
                       started_at, simulated}
 
@@ -34,7 +35,7 @@ from loadtest.summary import SLO, summarize, write_summary
 from policies import PruningSpec, SLOTargets, WorkloadSpec
 from tuner.trials.engine_handle import ConfigRejected, EngineError, EngineHandle, ManagedEngine
 from tuner.trials.pruning import PruneWatcher, itl_buckets
-from tuner.measure.step_stats import step_stats
+from tuner.measure.step_stats import step_stats, window_steps
 from tuner.trials.trial_backend import load_config_for
 
 __all__ = ["TrialOutcome", "TrialRunner", "step_stats", "TRIAL_FORMAT", "feasibility"]
@@ -220,6 +221,7 @@ class TrialRunner:
             run_summary = None
         if run_summary is not None and "interrupted" in run_summary.get("warnings", []):
             raise KeyboardInterrupt  # the runner stopped Locust on Ctrl-C; the study must stop too
+        run_ended = time.time()  # wall clock, as the step records' start times
         check_stop()
         itl["end"] = self._itl_snapshot()
         engine_note = None
@@ -242,7 +244,9 @@ class TrialRunner:
         summary["engine_itl_p99"] = engine_itl_p99(itl.get("start", {}), itl["end"])
         write_summary(str(out_dir / "summary.json"), summary)
         t0 = float(run_summary.get("start_time") or 0.0)
-        steps = self._window_steps(first_step, t0 + self.warmup, t0 + end)
+        # the steps that made the window's tokens: from its opening to the load test's end (the drain included),
+        # or to the moment the pruned load test was stopped
+        steps = self._window_steps(first_step, t0 + self.warmup, t0 + stopped["at"] if stopped else run_ended)
         with open(out_dir / "steps.jsonl", "w", encoding="utf-8") as f:
             for r in steps:
                 f.write(json.dumps(r) + "\n")
@@ -263,7 +267,7 @@ class TrialRunner:
             records, _ = self.handle.steps(first_step)
         except EngineError:
             return []
-        return [r for r in records if start <= r["start_time"] < end]
+        return window_steps(records, start, end)
 
     def _write_trial(self, o: TrialOutcome, started_at: str) -> None:
         assert o.out_dir is not None and isinstance(self.workload, WorkloadSpec) and isinstance(self.slo, SLO)
