@@ -312,7 +312,7 @@ class EngineLoop:
         route.num_output_tokens = len(output.token_ids)
         if output.finished:
             del self._routes[rid]
-            self.latency.finished(rid, output.finish_reason, now)
+            self.latency.finished(rid, output.finish_reason, now, route.num_prompt_tokens, route.num_output_tokens)
         return TokenDelta(route.index, list(output.new_token_ids), output.new_text, output.finished,
                           output.finish_reason, route.num_prompt_tokens, route.num_output_tokens)
 

@@ -1,6 +1,9 @@
 """Request latencies as the server's histograms define them (DESIGN.md, "Metrics"), measured in the engine thread
 where tokens are produced: queue time, time to first token, every inter-token gap, each finished request's own
-p99 gap, and end-to-end latency. Times are `time.monotonic()`."""
+p99 gap, end-to-end latency, and its prompt and output lengths. Times are `time.monotonic()`.
+
+A request counts in the per-request histograms (e2e, its own p99 gap, its lengths) when it finished on stop or length:
+an aborted request's output was cut short by its client, not by the workload, so it would bias the lengths."""
 
 from __future__ import annotations
 
@@ -54,11 +57,13 @@ class LatencyTracker:
             timing.gaps.append(gap)
         timing.last_token = now
 
-    def finished(self, request_id: str, finish_reason: str | None, now: float) -> None:
+    def finished(self, request_id: str, finish_reason: str | None, now: float, num_prompt_tokens: int,
+                 num_output_tokens: int) -> None:
         timing = self._timings.pop(request_id, None)
         if timing is not None and finish_reason in ("stop", "length"):
             self.metrics.e2e.observe(now - timing.arrival)
             self.metrics.observe_request_itl_p99(timing.gaps)
+            self.metrics.observe_request_lengths(num_prompt_tokens, num_output_tokens)
 
     def _leave_queue(self, timing: _Timing, step_start: float) -> None:
         timing.queued = False

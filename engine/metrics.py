@@ -1,8 +1,9 @@
 """The server's Prometheus metrics (names and buckets: docs/architecture.md, "Metrics").
 
-Latency histograms are observed by the engine thread where tokens are produced (`engine.latency`); gauges and the counters that
-mirror the engine's own totals (tokens, preemptions, prefix cache, finished requests) are read from the latest
-`EngineSnapshot` at scrape time, so they agree exactly with the engine and never double count.
+Latency and request-length histograms are observed by the engine thread where tokens are produced and requests finish
+(`engine.latency`); gauges and the counters that mirror the engine's own totals (tokens, preemptions, prefix cache,
+finished requests) are read from the latest `EngineSnapshot` at scrape time, so they agree exactly with the engine
+and never double count.
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ from engine.knobs import KNOB_BY_NAME
 from engine.snapshot import EngineSnapshot
 from engine.step_record import StepRecord
 
-__all__ = ["CONTENT_TYPE_LATEST", "LATENCY_BUCKETS", "TOKEN_BUCKETS", "ServerMetrics", "knob_values"]
+__all__ = ["CONTENT_TYPE_LATEST", "LATENCY_BUCKETS", "LENGTH_BUCKETS", "TOKEN_BUCKETS", "ServerMetrics",
+           "knob_values"]
 
 # Fine below 100 ms, so a 50 ms SLO can be read from histogram_quantile.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1,
                    0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# A finished request's prompt and output lengths (as vLLM's request_prompt_tokens / request_generation_tokens): 1-2-5
+# steps per decade, so the controller can compare the length distributions of two windows bucket by bucket.
+LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
 
 def knob_values(snapshot: EngineSnapshot) -> dict[str, float]:
@@ -109,6 +114,11 @@ class ServerMetrics:
                                        "The 99th percentile of one finished request's own inter-token gaps (0 "
                                        "with fewer than two tokens): the share at or below a TBT target is the "
                                        "requests' TBT attainment.")
+        self.request_prompt_tokens = Histogram("slotune_request_prompt_tokens", "Prompt tokens of one finished "
+                                               "request (stop or length).", buckets=LENGTH_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("slotune_request_generation_tokens", "Generated tokens of one "
+                                                   "finished request (stop or length).", buckets=LENGTH_BUCKETS,
+                                                   registry=r)
         self.queue_time = latency("slotune_request_queue_time_seconds",
                                   "Arrival to the start of the step that first scheduled the request.")
         self.step_duration = latency("slotune_step_duration_seconds", "Wall time of one engine step.")
@@ -135,6 +145,10 @@ class ServerMetrics:
     def observe_request_itl_p99(self, gaps: list[float]) -> None:
         # the same percentile as the load generator's per-request p99 (numpy's linear interpolation)
         self.request_itl_p99.observe(float(np.percentile(gaps, 99)) if gaps else 0.0)
+
+    def observe_request_lengths(self, prompt_tokens: int, generation_tokens: int) -> None:
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
 
     def config_changed(self) -> None:
         self.config_changes.inc()

@@ -54,7 +54,9 @@ class Triggers:
     attainment_target: float = 0.9  # share of requests within the SLO
     window: float = 60.0  # seconds of traffic the attainment trigger judges
     min_requests: int = 40  # finished requests a window needs before it decides anything
-    drift_threshold: float = 0.3  # relative change of a shape quantity (rate, mean lengths) that counts as drift
+    # relative change of a shape quantity (rate, mean lengths) that counts as drift; for a length distribution, the
+    # share of requests that changed length bucket (total variation distance)
+    drift_threshold: float = 0.3
     drift_window: float = 60.0  # the recent window compared with the reference one (the shape when last tuned)
     schedule: float | None = None  # also retune every this many seconds (None: never on a schedule)
 

@@ -48,12 +48,12 @@ def start_controller(engine_url: str, policy: Path, log: Path, *args: str) -> su
 
 
 def start_traffic(engine_url: str, out: Path, mix: str, rate: float, duration: str,
-                  slo: tuple[str, str] = ("1s", "2s")) -> subprocess.Popen[bytes]:
+                  slo: tuple[str, str] = ("1s", "2s"), drain: str = "60s") -> subprocess.Popen[bytes]:
     with open(out.with_suffix(".log"), "wb") as err:
         return subprocess.Popen([sys.executable, "-m", "slotune.cli", "loadtest", "--url", engine_url, "--workload",
                                  "mixed", "--mix", mix, "--mix-weights", "1", "--rate", str(rate), "--duration",
                                  duration, "--out", str(out), "--slo-p99-tbt", slo[0], "--slo-p99-ttft", slo[1],
-                                 "--drain-timeout", "60s"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+                                 "--drain-timeout", drain], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
 
 
 def records(log: Path) -> list[dict[str, Any]]:

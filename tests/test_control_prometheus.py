@@ -1,5 +1,6 @@
 """One code path, two sources: the same series read from the engine's /metrics and through a real Prometheus server
-that scrapes it give the same scrape, hence the same windows; and an unreachable Prometheus is reported."""
+that scrapes it give the same scrape, hence the same windows (attainment, tokens, the length histograms' buckets);
+and an unreachable Prometheus is reported."""
 
 from __future__ import annotations
 
@@ -87,6 +88,12 @@ def test_both_sources_give_the_same_series_and_windows(engine: SubprocessServer,
     w_direct, w_prom = window(before[0], after[0], slo), window(before[1], after[1], slo)
     assert w_direct.finished == w_prom.finished == 5 and w_direct.attaining == w_prom.attaining == 5
     assert w_direct.prompt_tokens == w_prom.prompt_tokens == 60
+    # the per-request length histograms, bucket by bucket (12-token prompts, 6 tokens out)
+    assert w_direct.prompt_lengths == w_prom.prompt_lengths and w_direct.output_lengths == w_prom.output_lengths
+    assert (w_prom.prompt_lengths.n, w_prom.prompt_lengths.total) == (5, 60)
+    assert (w_prom.output_lengths.n, w_prom.output_lengths.total) == (5, 30)
+    assert w_prom.prompt_lengths.as_dict()["buckets"] == {"20": 5} and w_prom.output_lengths.as_dict()["buckets"] == \
+        {"10": 5}
 
 
 def test_an_unreachable_prometheus_is_reported(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """The controller's parts on known data: the policy's controller sections and their contradictions, the statistics
-its verdicts use, the window arithmetic on scrapes, the drift test, the guardrails, the canary's verdicts and the
-decision log's resume."""
+its verdicts use, the window arithmetic on scrapes, the drift tests (rate, mean lengths, length distributions), the
+guardrails, the canary's verdicts and the decision log's resume."""
 
 from __future__ import annotations
 
@@ -19,10 +19,19 @@ from policies.control import Canary
 from tuner.control.canary import judge
 from tuner.control.decision_log import DecisionLog, read_log, resume
 from tuner.control.guardrails import changed, cooldown_left, move_policy, project, within
-from tuner.control.shape import Shape, drift_tests
+from engine.metrics import LENGTH_BUCKETS
+from policies.control import Triggers
+from tuner.control.shape import DISTRIBUTION_ALPHA, Shape, distribution_test, drift_tests, shape_of
 from tuner.control.sources import Scrape
-from tuner.control.window import CounterReset, WindowStats, window
-from tuner.measure.statistics import mean_ratio_interval, proportion_difference_interval, rate_ratio_interval
+from tuner.control.triggers import drift_trigger
+from tuner.control.window import CounterReset, Lengths, WindowStats, lengths_between, window
+from tuner.measure.statistics import (
+    homogeneity_test,
+    mean_ratio_interval,
+    merged_classes,
+    proportion_difference_interval,
+    rate_ratio_interval,
+)
 
 DEFAULT = yaml.safe_load(Path("policies/default.yaml").read_text())
 
@@ -124,6 +133,35 @@ def test_a_counter_that_went_down_means_a_restart() -> None:
         window(scrape(0, ok=50, count=50, finished=50), scrape(10, ok=3, count=3, finished=3), SLO(tbt_p99=0.05))
 
 
+BOUNDS = (*map(float, LENGTH_BUCKETS), math.inf)
+
+
+def cumulative(name: str, lengths: list[int]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A length histogram of these requests as the engine exports it (cumulative buckets, `le` as it spells it)."""
+    values = {(f"{name}_bucket", (("le", "+Inf" if math.isinf(b) else str(b)),)): float(sum(k <= b for k in lengths))
+              for b in BOUNDS}
+    values[(f"{name}_sum", ())] = float(sum(lengths))
+    return values
+
+
+def test_a_window_reads_the_length_histograms_of_the_requests_that_finished_in_it() -> None:
+    early, late = [3, 12, 40], [3, 12, 40, 7, 300, 300, 25000]
+    before = Scrape(0, cumulative("slotune_request_prompt_tokens", early))
+    after = Scrape(10, cumulative("slotune_request_prompt_tokens", late))
+    got = lengths_between(before, after, "slotune_request_prompt_tokens")
+    assert got.bounds == BOUNDS and got.n == 4 and got.total == 7 + 300 + 300 + 25000
+    assert dict(zip(got.bounds, got.counts)) == {**dict.fromkeys(BOUNDS, 0.0), 10.0: 1.0, 500.0: 2.0, math.inf: 1.0}
+    assert got.as_dict()["buckets"] == {"10": 1, "500": 2, "+Inf": 1}
+    # consecutive windows add up to the window over both
+    middle = Scrape(5, cumulative("slotune_request_prompt_tokens", late[:5]))
+    assert lengths_between(before, middle, "slotune_request_prompt_tokens") + \
+        lengths_between(middle, after, "slotune_request_prompt_tokens") == got
+    # a source without the histograms gives no lengths; one whose buckets went down, a restart
+    assert lengths_between(before, after, "slotune_request_generation_tokens") == Lengths()
+    with pytest.raises(CounterReset):
+        lengths_between(after, before, "slotune_request_prompt_tokens")
+
+
 # Drift -------------------------------------------------------------------------------------------------------------
 def shape(rate: float, prompt: float, seconds: float = 60.0, n: int = 30, seed: int = 0) -> Shape:
     rng = np.random.default_rng(seed)
@@ -137,10 +175,103 @@ def test_drift_is_judged_by_its_interval_not_a_raw_difference() -> None:
     # 20 % more traffic is a real change but within the 30 % threshold: no drift
     assert not any(t.drifted for t in drift_tests(shape(2.4, 100, seed=2), ref, 0.3))
     moved = {t.quantity: t.drifted for t in drift_tests(shape(4.0, 300, seed=3), ref, 0.3)}
-    assert moved == {"arrival_rate": True, "mean_prompt": True, "mean_output": False}
+    # (no length histograms in these shapes: the distribution tests have nothing to test)
+    assert moved == {"arrival_rate": True, "mean_prompt": True, "mean_output": False, "prompt_lengths": False,
+                     "output_lengths": False}
     # the same doubling seen over a few seconds only is not enough evidence
     assert not drift_tests(Shape(3.0, 6, (1.0, 2.0), (1.0, 1.0), math.nan),
                            Shape(3.0, 3, (1.0, 2.0), (1.0, 1.0), math.nan), 0.3)[0].drifted
+
+
+def histogram(lengths: np.ndarray) -> Lengths:
+    """The engine's length histogram of these requests (its buckets: a length counts in the first bound >= it)."""
+    index = np.searchsorted(np.asarray(BOUNDS), np.ceil(lengths), side="left")
+    return Lengths(BOUNDS, tuple(float(c) for c in np.bincount(index, minlength=len(BOUNDS))),
+                   float(np.ceil(lengths).sum()))
+
+
+def live_shape(prompts: np.ndarray, outputs: np.ndarray, seconds: float = 60.0, intervals: int = 30) -> Shape:
+    """The shape of a window whose requests (prompt and output lengths) finished evenly over its scrape intervals:
+    the arrival rate is the same in every window built here."""
+    windows = [WindowStats(i * seconds / intervals, (i + 1) * seconds / intervals, len(p), len(p), len(p), 0.05,
+                           float(p.sum()), float(o.sum()), 0, 0, (1, 1), histogram(p), histogram(o))
+               for i, (p, o) in enumerate(zip(np.array_split(prompts, intervals), np.array_split(outputs, intervals)))]
+    return shape_of(windows)
+
+
+def lognormal(rng: np.random.Generator, median: float, n: int, sigma: float = 0.6) -> np.ndarray:
+    return np.maximum(1.0, np.round(rng.lognormal(math.log(median), sigma, n)))
+
+
+def test_merged_buckets_reach_the_expected_count_the_chi_square_needs() -> None:
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        a, b = histogram(lognormal(rng, 100, 40, 1.2)).counts, histogram(lognormal(rng, 100, 60, 1.2)).counts
+        groups = merged_classes(a, b)
+        na, nb = sum(a), sum(b)
+        for i, j in groups:  # every cell's expected count (row total x column total / all) is at least 5
+            column = sum(a[i:j + 1]) + sum(b[i:j + 1])
+            assert column * min(na, nb) / (na + nb) >= 5
+        assert groups[0][0] == min(k for k, c in enumerate(np.add(a, b)) if c)  # nothing left out
+        assert groups[-1][1] == max(k for k, c in enumerate(np.add(a, b)) if c)
+    one = homogeneity_test([0, 12, 0], [0, 30, 0])  # one class: nothing to compare
+    assert math.isnan(one.p_value) and one.distance == 0
+
+
+@pytest.mark.parametrize("n", [40, 400])
+def test_windows_from_the_same_lengths_drift_only_at_the_tests_level(n: int) -> None:
+    # The chi-square test alone rejects the same distribution at about its level (3000 window pairs: the binomial
+    # share of false rejections at 1 % lies within 0.3-2 % with room to spare).
+    runs, rejected = 3000, 0
+    for seed in range(runs):
+        rng = np.random.default_rng(seed)
+        test = distribution_test("prompt_lengths", histogram(lognormal(rng, 120, n, 1.0)),
+                                 histogram(lognormal(rng, 120, n, 1.0)), 0.3, 40)
+        rejected += test.significant
+    assert 0.3 * DISTRIBUTION_ALPHA <= rejected / runs <= 2 * DISTRIBUTION_ALPHA, rejected / runs
+    # The whole trigger (rate, mean and distribution tests of prompts and outputs, the distributions also asking
+    # for a change of at least the threshold) on live shapes of such windows.
+    spec = Triggers(min_requests=40, drift_threshold=0.3)
+    runs, triggered = 200, 0
+    for seed in range(runs):
+        rng = np.random.default_rng(10_000 + seed)
+        ref = live_shape(lognormal(rng, 120, n, 1.0), lognormal(rng, 40, n, 0.8))
+        recent = live_shape(lognormal(rng, 120, n, 1.0), lognormal(rng, 40, n, 0.8))
+        triggered += drift_trigger(recent, ref, spec) is not None
+    assert triggered / runs <= 3 * DISTRIBUTION_ALPHA, triggered / runs
+
+
+def test_a_shift_from_short_to_long_prompts_is_drift() -> None:
+    spec = Triggers(min_requests=40, drift_threshold=0.3)
+    rng = np.random.default_rng(7)
+    outputs = lognormal(rng, 40, 120, 0.8)
+    ref = live_shape(lognormal(rng, 30, 120), outputs)
+    recent = live_shape(lognormal(rng, 900, 120), lognormal(rng, 40, 120, 0.8))
+    trigger = drift_trigger(recent, ref, spec)
+    assert trigger is not None and "prompt_lengths" in trigger.reason
+    tests = {t["quantity"]: t for t in trigger.evidence["tests"]}
+    assert tests["prompt_lengths"]["drifted"] and tests["prompt_lengths"]["p_value"] < 1e-9
+    assert tests["prompt_lengths"]["distance"] > 0.9 and tests["mean_prompt"]["drifted"]
+    assert not tests["output_lengths"]["drifted"] and not tests["arrival_rate"]["drifted"]
+    # the same shift with fewer finished requests than the policy's minimum is not judged
+    few = drift_tests(live_shape(lognormal(rng, 900, 30), outputs[:30]), live_shape(lognormal(rng, 30, 30),
+                                                                                    outputs[:30]), 0.3, 40)
+    assert not [t for t in few if t.quantity == "prompt_lengths"][0].drifted
+
+
+def test_the_distribution_and_the_mean_tests_each_see_what_the_other_cannot() -> None:
+    rng = np.random.default_rng(11)
+    outputs = lognormal(rng, 40, 300, 0.8)
+    medium = rng.integers(300, 401, 300).astype(float)  # all in the bucket 201-500
+    split = np.concatenate([rng.integers(30, 51, 150), rng.integers(600, 751, 150)]).astype(float)  # same mean
+    rng.shuffle(split)
+    moved = {t.quantity: t.drifted for t in drift_tests(live_shape(split, outputs), live_shape(medium, outputs),
+                                                        0.3, 40)}
+    assert moved["prompt_lengths"] and not moved["mean_prompt"]
+    # prompts that double within one bucket (210-240 -> 420-480 tokens): only the histogram's sum shows it
+    low, high = rng.integers(210, 241, 300).astype(float), rng.integers(420, 481, 300).astype(float)
+    moved = {t.quantity: t.drifted for t in drift_tests(live_shape(high, outputs), live_shape(low, outputs), 0.3, 40)}
+    assert moved["mean_prompt"] and not moved["prompt_lengths"]
 
 
 # Guardrails --------------------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ import openai
 import pytest
 from server_helpers import InProcessServer, delta, metric, scrape, stream_completion
 
+from engine.metrics import LENGTH_BUCKETS
+
 PROMPT = "The capital of France is"
 MAX_BODY = 256 * 1024
 
@@ -202,6 +204,13 @@ def test_metrics_agree_with_what_was_sent(server: InProcessServer) -> None:
     assert delta(before, after, "slotune_e2e_request_latency_seconds_count") == n
     assert delta(before, after, "slotune_request_itl_p99_seconds_count") == n  # one per finished request
     assert delta(before, after, "slotune_request_queue_time_seconds_count") == n
+    # The per-request length histograms: one observation per finished request, its prompt and output lengths.
+    prompt_lens = [len(server.engine.tokenize(p)) for p in prompts]
+    for name, sent in (("slotune_request_prompt_tokens", prompt_lens), ("slotune_request_generation_tokens", lengths)):
+        assert delta(before, after, f"{name}_count") == n
+        assert delta(before, after, f"{name}_sum") == sum(sent)
+        for le in LENGTH_BUCKETS:
+            assert delta(before, after, f"{name}_bucket", le=str(float(le))) == sum(k <= le for k in sent), (name, le)
     assert delta(before, after, "slotune_http_responses_total", path="/v1/completions", code="200") == n
     # The step histograms agree with the step records of the same steps.
     steps = httpx.get(server.url + "/debug/steps", params={"since": first_step}).json()["steps"]

@@ -54,6 +54,16 @@ def quantile(q: str, metric: str) -> str:
     return f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket{{{ENGINE}}}{RATE})))"
 
 
+def mean(metric: str) -> str:
+    return f"sum(rate({metric}_sum{{{ENGINE}}}{RATE})) / sum(rate({metric}_count{{{ENGINE}}}{RATE}))"
+
+
+LENGTHS_DESCRIPTION = ("Lengths of the requests that finished on stop or length, from the engine's per-request "
+                       "histogram (buckets 1, 2, 5, 10, 20, 50, ... 20000 tokens; percentiles interpolate within a "
+                       "bucket). The controller's drift trigger compares these distributions, bucket by bucket, "
+                       "between the window after its last move and the recent one.")
+
+
 def attainment(metric: str, target: str) -> str:
     return (f'sum(rate({metric}_bucket{{{ENGINE},le="{target}"}}{RATE})) / '
             f"sum(rate({metric}_count{{{ENGINE}}}{RATE}))")
@@ -79,6 +89,20 @@ OVERVIEW = Dashboard("slotune-overview", "slotune / overview", rows=(
             Query(f"sum(rate(slotune_generation_tokens_total{{{ENGINE}}}{RATE}))", "generated"),
             Query(f"sum(rate(slotune_prompt_tokens_total{{{ENGINE}}}{RATE}))", "prompt"),
         ), unit="short"),
+    )),
+    ("Workload shape (finished requests)", (
+        Panel("Prompt length per request (tokens)", (
+            Query(quantile("0.5", "slotune_request_prompt_tokens"), "p50"),
+            Query(quantile("0.9", "slotune_request_prompt_tokens"), "p90"),
+            Query(quantile("0.99", "slotune_request_prompt_tokens"), "p99"),
+            Query(mean("slotune_request_prompt_tokens"), "mean"),
+        ), unit="short", description=LENGTHS_DESCRIPTION),
+        Panel("Output length per request (tokens)", (
+            Query(quantile("0.5", "slotune_request_generation_tokens"), "p50"),
+            Query(quantile("0.9", "slotune_request_generation_tokens"), "p90"),
+            Query(quantile("0.99", "slotune_request_generation_tokens"), "p99"),
+            Query(mean("slotune_request_generation_tokens"), "mean"),
+        ), unit="short", description=LENGTHS_DESCRIPTION),
     )),
     ("Latency against the SLO", (
         Panel("Time to first token", (

@@ -111,7 +111,8 @@ def search(policy: Policy, current: dict[str, Any], resolved: dict[str, Any], sh
             moved = move_policy(policy, current, resolved)
         except ValueError as error:
             return Search(None, Prediction(dict(current), now.summary), str(error), 0, **info)
-        pool = sample_configs(moved, retune.candidates, seed) + [project(k, moved) for k in study_knobs]
+        # the study's best configs (measured on an engine) first: on a tie the first one screened wins
+        pool = [project(k, moved) for k in study_knobs] + sample_configs(moved, retune.candidates, seed)
         seen, preds = set(), []
         for knobs in pool:
             key = repr(sorted(knobs.items()))

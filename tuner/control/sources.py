@@ -17,6 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 SERIES = ("slotune_request_itl_p99_seconds_bucket", "slotune_request_itl_p99_seconds_count",
           "slotune_time_to_first_token_seconds_bucket", "slotune_time_to_first_token_seconds_count",
           "slotune_request_success_total", "slotune_prompt_tokens_total", "slotune_generation_tokens_total",
+          "slotune_request_prompt_tokens_bucket", "slotune_request_prompt_tokens_sum",
+          "slotune_request_generation_tokens_bucket", "slotune_request_generation_tokens_sum",
           "slotune_prefix_cache_queries_total", "slotune_prefix_cache_hits_total", "slotune_config_generation",
           "slotune_knob", "slotune_config_lease_pending", "slotune_num_requests_running",
           "slotune_num_requests_waiting", "slotune_num_requests_preempted")

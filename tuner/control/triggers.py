@@ -1,6 +1,7 @@
 """The policy's triggers: SLO attainment missed over a window (its Clopper-Pearson interval entirely below the
-target, with at least ``min_requests`` finished requests), the workload's shape drifted beyond the threshold (a
-test, see tuner.control.shape), or a schedule."""
+target, with at least ``min_requests`` finished requests), the workload's shape drifted beyond the threshold (the
+arrival rate, the mean lengths and the length distributions, each by a test: see tuner.control.shape; the length
+distributions with at least ``min_requests`` finished requests in each window), or a schedule."""
 
 from __future__ import annotations
 
@@ -37,11 +38,11 @@ def attainment_trigger(stats: WindowStats, spec: Triggers) -> Trigger | None:
 def drift_trigger(recent: Shape, reference: Shape | None, spec: Triggers) -> Trigger | None:
     if reference is None or min(recent.requests, reference.requests) < spec.min_requests:
         return None
-    tests = drift_tests(recent, reference, spec.drift_threshold)
+    tests = drift_tests(recent, reference, spec.drift_threshold, spec.min_requests)
     moved = [t for t in tests if t.drifted]
     if not moved:
         return None
-    what = ", ".join(f"{t.quantity} x{t.ratio.format()}" for t in moved)
+    what = ", ".join(t.describe() for t in moved)
     return Trigger("drift", f"the workload drifted beyond {spec.drift_threshold:.0%}: {what}",
                    {"tests": [t.as_dict() for t in tests], "recent": recent.as_dict(),
                     "reference": reference.as_dict()})

@@ -1,5 +1,5 @@
 """What happened between two scrapes: the requests that finished, how many attained the SLO, and the workload's
-shape (arrivals, mean prompt and output lengths, prefix-cache hit rate).
+shape (arrivals, the prompt and output lengths of the finished requests, prefix-cache hit rate).
 
 Attainment follows DESIGN: a request attains when its own p99 inter-token gap is within the TBT target (and its
 TTFT within the TTFT target when set). The engine exports each finished request's own p99 gap as a histogram, so the
@@ -7,6 +7,10 @@ attaining count is that histogram's bucket at the target, as an increase between
 that finished (aborted ones do not attain). A target between two bucket bounds is read at the bound below it (only
 requests sure to attain count). With a TTFT target the engine's two histograms give the marginal counts only, so the
 attaining count is the smaller of the two (an upper bound of the joint count).
+
+The lengths come from the engine's per-request histograms (``slotune_request_prompt_tokens``,
+``slotune_request_generation_tokens``): both observed when a request finishes, so a window's prompt and output
+lengths are those of the same requests (the token counters count a prompt at its first token, its finish later).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from tuner.measure.statistics import Interval, proportion_interval
 
 ITL_P99 = "slotune_request_itl_p99_seconds"
 TTFT = "slotune_time_to_first_token_seconds"
+PROMPT_LENGTHS = "slotune_request_prompt_tokens"
+OUTPUT_LENGTHS = "slotune_request_generation_tokens"
 
 
 class CounterReset(ValueError):
@@ -38,6 +44,66 @@ def bucket_at(scrape: Scrape, histogram: str, target: float) -> tuple[float, flo
 
 
 @dataclass(frozen=True)
+class Lengths:
+    """What a length histogram gained over a window: finished requests per bucket (not cumulative; ``bounds`` are
+    the buckets' upper bounds, ascending, the last one +inf) and the sum of their lengths."""
+
+    bounds: tuple[float, ...] = ()
+    counts: tuple[float, ...] = ()
+    total: float = 0.0
+
+    @property
+    def n(self) -> int:
+        return round(sum(self.counts))
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.n if self.n else math.nan
+
+    def __add__(self, other: Lengths) -> Lengths:
+        """Two windows' lengths together (consecutive windows of one engine: the same buckets)."""
+        if not other.bounds:
+            return self
+        if not self.bounds:
+            return other
+        if self.bounds != other.bounds:
+            raise ValueError(f"length histograms with different buckets: {self.bounds} and {other.bounds}")
+        return Lengths(self.bounds, tuple(a + b for a, b in zip(self.counts, other.counts)), self.total + other.total)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The buckets that gained requests, by their upper bound (``le``, as Prometheus writes it)."""
+        return {"n": self.n, "mean": round(self.mean, 4) if self.n else None,
+                "buckets": {("+Inf" if math.isinf(b) else f"{b:g}"): round(c) for b, c in zip(self.bounds,
+                                                                                               self.counts) if c}}
+
+
+def _cumulative(scrape: Scrape, histogram: str) -> dict[float, float]:
+    return {float(le): v for le, v in scrape.labelled(f"{histogram}_bucket", "le").items()}
+
+
+def lengths_between(before: Scrape, after: Scrape, histogram: str) -> Lengths:
+    """The increase of a length histogram between two scrapes (empty when the source has no such histogram).
+    Raises CounterReset when a bucket went down."""
+    cum_after, cum_before = _cumulative(after, histogram), _cumulative(before, histogram)
+    if not cum_after:
+        return Lengths()
+    bounds = tuple(sorted(cum_after))
+    grown = []
+    for b in bounds:
+        d = cum_after[b] - cum_before.get(b, 0.0)
+        if d < -1e-9:
+            raise CounterReset(f"{histogram}_bucket{{le={b:g}}} went down from {cum_before.get(b, 0.0):g} to "
+                               f"{cum_after[b]:g}: the engine restarted")
+        grown.append(max(0.0, d))
+    # each bucket's own count (a cumulative bucket only grows, so these are >= 0 up to rounding)
+    counts = tuple(max(0.0, c - (grown[i - 1] if i else 0.0)) for i, c in enumerate(grown))
+    total = after.get(f"{histogram}_sum") - before.get(f"{histogram}_sum")
+    if total < -1e-9:
+        raise CounterReset(f"{histogram}_sum went down: the engine restarted")
+    return Lengths(bounds, counts, max(0.0, total))
+
+
+@dataclass(frozen=True)
 class WindowStats:
     start: float
     end: float
@@ -50,6 +116,8 @@ class WindowStats:
     prefix_queries: float
     prefix_hits: float
     generations: tuple[int, int]  # config generation at the start and end
+    prompt_lengths: Lengths = Lengths()  # of the requests that finished on stop or length
+    output_lengths: Lengths = Lengths()
 
     @property
     def seconds(self) -> float:
@@ -122,7 +190,9 @@ def window(before: Scrape, after: Scrape, slo: SLO) -> WindowStats:
                              before.get("slotune_prefix_cache_queries_total"), "prefix-cache queries"),
         prefix_hits=delta(after.get("slotune_prefix_cache_hits_total"), before.get("slotune_prefix_cache_hits_total"),
                           "prefix-cache hits"),
-        generations=(int(before.get("slotune_config_generation")), int(after.get("slotune_config_generation"))))
+        generations=(int(before.get("slotune_config_generation")), int(after.get("slotune_config_generation"))),
+        prompt_lengths=lengths_between(before, after, PROMPT_LENGTHS),
+        output_lengths=lengths_between(before, after, OUTPUT_LENGTHS))
 
 
 def knobs_of(scrape: Scrape) -> dict[str, float]:

@@ -202,3 +202,73 @@ def mean_ratio_interval(samples_a: Sequence[float], samples_b: Sequence[float],
         return Interval(r, r, r, level, n)
     ci = stats.ttest_ind(a, b, equal_var=False).confidence_interval(confidence_level=level)
     return Interval(float(a.mean()) / mb, 1.0 + float(ci.low) / mb, 1.0 + float(ci.high) / mb, level, n)
+
+
+MIN_EXPECTED = 5.0  # the smallest expected count per cell for the chi-square approximation (Cochran's rule)
+
+
+@dataclass(frozen=True)
+class Homogeneity:
+    """A chi-square test of homogeneity of two samples' counts over the same classes (the buckets of two windows'
+    histograms), on adjacent classes merged until every cell's expected count is at least MIN_EXPECTED.
+
+    ``groups`` are the merged classes as (first, last) indices of the given ones; ``distance`` is the total
+    variation distance between the two samples' shares over those groups (the least share of one sample that must
+    change class to make it look like the other). A p-value of NaN: not testable (an empty side, or one group)."""
+
+    p_value: float
+    statistic: float
+    dof: int
+    groups: tuple[tuple[int, int], ...]
+    counts_a: tuple[float, ...]  # per group
+    counts_b: tuple[float, ...]
+    distance: float
+
+    def as_dict(self) -> dict[str, object]:
+        def finite(x: float) -> float | None:
+            return round(x, 6) if math.isfinite(x) else None
+
+        return {"p_value": finite(self.p_value), "statistic": finite(self.statistic), "dof": self.dof,
+                "distance": finite(self.distance), "counts_a": [round(c) for c in self.counts_a],
+                "counts_b": [round(c) for c in self.counts_b]}
+
+
+def merged_classes(counts_a: Sequence[float], counts_b: Sequence[float],
+                   min_expected: float = MIN_EXPECTED) -> tuple[tuple[int, int], ...]:
+    """Adjacent classes merged from the first on until each group's smaller expected count (its total times the
+    smaller sample's share of all) reaches ``min_expected``; a short remainder joins the last group. Classes empty
+    on both sides at either end are left out."""
+    na, nb = float(sum(counts_a)), float(sum(counts_b))
+    if na <= 0 or nb <= 0:
+        return ()
+    share = min(na, nb) / (na + nb)
+    totals = [a + b for a, b in zip(counts_a, counts_b)]
+    filled = [i for i, t in enumerate(totals) if t > 0]
+    groups: list[tuple[int, int]] = []
+    start, acc = filled[0], 0.0
+    for i in range(filled[0], filled[-1] + 1):
+        acc += totals[i]
+        if acc * share >= min_expected:
+            groups.append((start, i))
+            start, acc = i + 1, 0.0
+    if acc > 0:  # the remainder is too small for a group of its own
+        if groups:
+            groups[-1] = (groups[-1][0], filled[-1])
+        else:
+            groups.append((start, filled[-1]))
+    return tuple(groups)
+
+
+def homogeneity_test(counts_a: Sequence[float], counts_b: Sequence[float],
+                     min_expected: float = MIN_EXPECTED) -> Homogeneity:
+    """Whether two samples' counts over the same ordered classes come from one distribution (see Homogeneity)."""
+    groups = merged_classes(counts_a, counts_b, min_expected)
+    a = tuple(float(sum(counts_a[i:j + 1])) for i, j in groups)
+    b = tuple(float(sum(counts_b[i:j + 1])) for i, j in groups)
+    if len(groups) < 2:
+        return Homogeneity(math.nan, math.nan, 0, groups, a, b, 0.0 if groups else math.nan)
+    na, nb = sum(a), sum(b)
+    distance = 0.5 * sum(abs(x / na - y / nb) for x, y in zip(a, b))
+    # no continuity correction: Yates' makes the 2x2 case conservative, well below the test's level
+    result = stats.chi2_contingency(np.array([a, b]), correction=False)
+    return Homogeneity(float(result.pvalue), float(result.statistic), int(result.dof), groups, a, b, distance)
