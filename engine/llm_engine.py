@@ -38,7 +38,7 @@ from engine.sampler import SamplingRow
 from engine.sampling_params import RequestOutput, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
-from engine.step_record import StepRecord, StepRecorder
+from engine.step_record import StepPage, StepRecord, StepRecorder
 
 logger = logging.getLogger("slotune.engine")
 
@@ -338,6 +338,10 @@ class LLMEngine:
 
     def step_records(self, since: int = -1) -> list[StepRecord]:
         return self.recorder.since(since)
+
+    def step_page(self, since: int = -1) -> StepPage:
+        """The step records after `since` still held, and how many after it the buffer dropped."""
+        return self.recorder.page(since)
 
     def close(self) -> None:
         self.recorder.close()

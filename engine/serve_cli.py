@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--admin-token", default=None,
                         help="bearer token of /admin (default: $SLOTUNE_ADMIN_TOKEN; none: admin disabled)")
     parser.add_argument("--step-log", default=None, metavar="FILE", help="append every step record as JSONL")
+    parser.add_argument("--step-buffer", type=int, default=10_000, metavar="N",
+                        help="step records kept for GET /debug/steps (default 10000; older ones are dropped, and "
+                             "/debug/steps says how many a reader missed)")
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
                         help="float32 (default); auto: bfloat16 where the CPU has bf16 instructions and the kernels "
                              "are faster")
@@ -88,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         if value < 0:
             print(f"slotune serve: {name} must be >= 0", file=sys.stderr)
             return 2
+    if args.step_buffer < 1:
+        print("slotune serve: --step-buffer must be >= 1", file=sys.stderr)
+        return 2
     try:
         knobs = load_config_file(args.config) if args.config else {}
     except ConfigFileError as error:
@@ -101,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, seed=args.seed,
-                           step_log=args.step_log, **knobs)
+                           step_log=args.step_log, step_record_capacity=args.step_buffer, **knobs)
     except (ConfigError, ValueError) as error:
         print(f"slotune serve: {error}", file=sys.stderr)
         return 2

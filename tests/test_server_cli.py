@@ -39,6 +39,7 @@ def test_serve_refuses_a_bad_config_file_before_loading_the_model(tmp_path: Path
     assert "warp_speed" in capsys.readouterr().err
     assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
     assert main(["--max-waiting-requests", "-1"]) == 2
+    assert main(["--step-buffer", "0"]) == 2
 
 
 def test_every_knob_is_a_flag() -> None:

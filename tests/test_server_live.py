@@ -185,7 +185,12 @@ def test_500_requests_with_a_third_disconnected(server: SubprocessServer) -> Non
 
 
 def test_step_log_matches_debug_steps(server: SubprocessServer) -> None:
+    # steps of its own (a prefill and 7 decodes at least), so that the test does not rely on the module's others
+    body = {"prompt": "Count to ten:", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
     logged = [json.loads(line) for line in server.step_log.read_text().splitlines()]
+    assert len(logged) >= 8
     served = httpx.get(server.url + "/debug/steps", params={"since": logged[-1]["step"] - 5}).json()["steps"]
     assert served == logged[-len(served):]
     assert [r["step"] for r in logged] == list(range(logged[0]["step"], logged[-1]["step"] + 1))

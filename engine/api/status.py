@@ -43,11 +43,16 @@ class StatusRoutes:
     async def debug_steps(self, request: Request) -> Response:
         since = _int_param(request, "since", -1)
         limit = _int_param(request, "limit", 0)
-        records = self.engine_loop.engine.step_records(since)  # the recorder's lock makes this thread-safe
-        if limit > 0:
-            records = records[:limit]
+        """The step records after step `since` that the ring buffer still holds (at most `limit`), oldest first.
+        `first_step`: the oldest step it holds (null: none yet); `dropped`: how many steps after `since` it no
+        longer holds (they came before `first_step`), so that a reader that fell behind knows its records have a
+        gap; `capacity`: how many records it keeps."""
+        engine = self.engine_loop.engine
+        page = engine.step_page(since)  # the recorder's lock makes this thread-safe
+        records = page.records[:limit] if limit > 0 else page.records
         return json_response({"since": since, "steps": [r.to_dict() for r in records],
-                              "last_step": self.engine_loop.snapshot.last_step})
+                              "last_step": self.engine_loop.snapshot.last_step, "first_step": page.first_step,
+                              "dropped": page.dropped, "capacity": engine.recorder.capacity})
 
 
 def _int_param(request: Request, name: str, default: int) -> int:

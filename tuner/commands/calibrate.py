@@ -108,11 +108,14 @@ def calibrate(handle: EngineHandle, plan: CalibrationPlan, workdir: Path,
                 f"{plan.seconds_per_config:g}s")
             run_loadtest(cfg, realtime=True)
             handle.wait_idle(120)
-            window, _ = handle.steps(last)
+            page = handle.step_page(last)
+            window = page.records
             for s in window:
                 s["block_size"] = applied["block_size"]
             steps += window
-            log(f"  {len(window)} steps")
+            log(f"  {len(window)} steps" + (f" ({page.dropped} earlier ones were dropped from the engine's step "
+                                            "buffer before they were read: raise slotune serve --step-buffer)"
+                                            if page.dropped else ""))
     finally:
         try:
             handle.patch_config(before)

@@ -8,7 +8,8 @@ from typing import Any, Iterable
 import numpy as np
 
 STEP_STATS_KEYS = ("steps", "mean_batch_seqs", "mean_prefill_tokens", "mean_decode_tokens", "prefill_token_share",
-                   "preemptions", "kv_usage_mean", "kv_usage_max", "step_duration_p50", "step_duration_p99")
+                   "preemptions", "kv_usage_mean", "kv_usage_max", "step_duration_p50", "step_duration_p99",
+                   "steps_dropped")
 
 
 def window_steps(step_records: Iterable[dict[str, Any]], start: float, end: float = math.inf
@@ -25,12 +26,16 @@ def window_steps(step_records: Iterable[dict[str, Any]], start: float, end: floa
     return [r for r in step_records if start <= r["start_time"] < end]
 
 
-def step_stats(step_records: list[dict[str, Any]]) -> dict[str, float]:
+def step_stats(step_records: list[dict[str, Any]], dropped: int = 0) -> dict[str, float]:
     """Mean batch (prefill sequences + decoding sequences, one decode token each), the prefill/decode token mix,
     preemptions, KV usage (used / (used + free) blocks) and step-duration percentiles of ``step_records``
-    (dicts with the fields of the engine's StepRecord). All zeros for no records."""
+    (dicts with the fields of the engine's StepRecord). All zeros for no records.
+
+    ``steps_dropped``: ``dropped``, how many of the window's records the engine dropped from its ring buffer before
+    they were read (tuner/trials/step_collector.py; at most that many: a gap may straddle the window's opening). Not
+    zero, the statistics are those of the records kept, part of the window only."""
     if not step_records:
-        return {k: 0.0 for k in STEP_STATS_KEYS}
+        return {**{k: 0.0 for k in STEP_STATS_KEYS}, "steps_dropped": float(dropped)}
     prefill = np.array([r["num_prefill_tokens"] for r in step_records], dtype=float)
     decode = np.array([r["num_decode_tokens"] for r in step_records], dtype=float)
     seqs = np.array([r["num_prefill_seqs"] for r in step_records], dtype=float) + decode
@@ -50,4 +55,5 @@ def step_stats(step_records: list[dict[str, Any]]) -> dict[str, float]:
         "kv_usage_max": float(usage.max()),
         "step_duration_p50": float(np.percentile(durations, 50)),
         "step_duration_p99": float(np.percentile(durations, 99)),
+        "steps_dropped": float(dropped),
     }

@@ -30,6 +30,15 @@ class EngineError(RuntimeError):
     """The engine cannot be reached, is dead, or answered something unexpected."""
 
 
+@dataclass(frozen=True)
+class StepPage:
+    """One read of GET /debug/steps."""
+
+    records: list[dict[str, Any]]  # StepRecord.to_dict() of the steps after the one asked for, oldest first
+    last_step: int  # the engine's last step
+    dropped: int  # steps after the one asked for that the engine's buffer no longer held
+
+
 class ConfigRejected(ValueError):
     """PATCH /admin/config answered 422: the knobs are not allowed (nothing was changed)."""
 
@@ -98,11 +107,22 @@ class EngineHandle:
 
     def steps(self, since: int = -1) -> tuple[list[dict[str, Any]], int]:
         """Step records after step ``since`` (oldest first) and the engine's last step number."""
+        page = self.step_page(since)
+        return page.records, page.last_step
+
+    def step_page(self, since: int = -1) -> StepPage:
+        """Step records after step ``since`` that the engine still holds, its last step number, and how many steps
+        after ``since`` its ring buffer dropped before this read (from its ``dropped``; an engine that does not say
+        is judged by the first record's step number, the steps being numbered without a gap)."""
         r = self._request("GET", "/debug/steps", params={"since": since})
         if r.status_code != 200:
             raise EngineError(f"{self.url}/debug/steps answered {r.status_code}")
         body = r.json()
-        return body["steps"], int(body["last_step"])
+        records = body["steps"]
+        dropped = body.get("dropped")
+        if dropped is None:
+            dropped = max(0, int(records[0]["step"]) - max(since + 1, 0)) if records else 0
+        return StepPage(records, int(body["last_step"]), int(dropped))
 
     def metrics_text(self) -> str:
         r = self._request("GET", "/metrics")

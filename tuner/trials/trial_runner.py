@@ -5,7 +5,9 @@ step statistics, and write the trial folder:
     records.parquet  the load test's records (warm-up included; the summary's ``window`` says what counts)
     summary.json     loadtest.summary.summarize over the window
     steps.jsonl      the engine's step records that made the window's tokens: from the window's opening to the end
-                     of the load test, its drain included (StepRecord.to_dict(), one per line; step_stats.window_steps)
+                     of the load test, its drain included (StepRecord.to_dict(), one per line; step_stats.window_steps),
+                     read while the load test runs (tuner/trials/step_collector.py); records the engine's ring buffer
+                     dropped before they were read are counted in step_stats' ``steps_dropped``
     trial.json       {"format": "slotune-trial/1", knobs, step_stats, feasible, reason, workload, rate, slo,
                       started_at, simulated}
 
@@ -34,6 +36,7 @@ from loadtest.runner import LOCUSTFILE, LoadTestError, run_loadtest
 from loadtest.summary import SLO, summarize, write_summary
 from policies import PruningSpec, SLOTargets, WorkloadSpec
 from tuner.trials.engine_handle import ConfigRejected, EngineError, EngineHandle, ManagedEngine
+from tuner.trials.step_collector import STEP_POLL_S, StepCollector
 from tuner.trials.pruning import PruneWatcher, itl_buckets
 from tuner.measure.step_stats import step_stats, window_steps
 from tuner.trials.trial_backend import load_config_for
@@ -106,6 +109,7 @@ class TrialRunner:
     realtime: bool = True  # the load generator keeps its schedule while the engine saturates the CPUs
     generator_cpus: tuple[int, ...] | None = None  # keep the load generator to these cores (tuner/measure/floor.py)
     base_knobs: dict[str, Any] | None = None  # the config a trial's knobs are laid over (default: the engine's now)
+    step_poll_s: float | None = STEP_POLL_S  # read the step records this often during the load test (None: after it)
     on_progress: Callable[[dict[str, Any]], None] | None = None
 
     def __post_init__(self) -> None:
@@ -189,6 +193,7 @@ class TrialRunner:
             return self._fail(knobs, out_dir, rate, f"could not reset the prefix cache: {error}")
         cfg = self.load_config(rate, out_dir, seed)
         assert isinstance(self.slo, SLO)
+        collector = StepCollector(self.handle, first_step, self.step_poll_s)
         watcher = PruneWatcher(self.slo.tbt_p99, self.pruning, self.duration) \
             if prune and self.pruning is not None and self.pruning.enabled and self.slo.tbt_p99 else None
         stopped: dict[str, float] = {}
@@ -200,6 +205,7 @@ class TrialRunner:
             elapsed_s = float(p.get("elapsed_s", 0.0))
             if "start" not in itl and elapsed_s >= self.warmup:
                 itl["start"] = self._itl_snapshot()  # the engine's inter-token histogram as the window opens
+            collector.poll()  # before the engine's ring buffer drops them
             if STOP.is_set():
                 _stop_locust()  # tune is stopping: end the load test now
                 return
@@ -246,11 +252,13 @@ class TrialRunner:
         t0 = float(run_summary.get("start_time") or 0.0)
         # the steps that made the window's tokens: from its opening to the load test's end (the drain included),
         # or to the moment the pruned load test was stopped
-        steps = self._window_steps(first_step, t0 + self.warmup, t0 + stopped["at"] if stopped else run_ended)
+        start, end_s = t0 + self.warmup, t0 + stopped["at"] if stopped else run_ended
+        collector.read()  # the drain's last steps
+        steps = window_steps(collector.records, start, end_s)
         with open(out_dir / "steps.jsonl", "w", encoding="utf-8") as f:
             for r in steps:
                 f.write(json.dumps(r) + "\n")
-        stats = step_stats(steps)
+        stats = step_stats(steps, dropped=collector.dropped_in(start, end_s))
         if watcher is not None and watcher.reason:
             return TrialOutcome(knobs, summary, stats, False, watcher.reason, out_dir, pruned=True, rate=rate)
         reason = feasibility(summary, self.slo)
@@ -261,13 +269,6 @@ class TrialRunner:
             return itl_buckets(self.handle.metrics_text())
         except EngineError:
             return {}
-
-    def _window_steps(self, first_step: int, start: float, end: float) -> list[dict[str, Any]]:
-        try:
-            records, _ = self.handle.steps(first_step)
-        except EngineError:
-            return []
-        return window_steps(records, start, end)
 
     def _write_trial(self, o: TrialOutcome, started_at: str) -> None:
         assert o.out_dir is not None and isinstance(self.workload, WorkloadSpec) and isinstance(self.slo, SLO)
