@@ -139,6 +139,7 @@ class TuneSession:
         confirm them on the engine (predicted against measured is printed at the end)."""
         # the simulator (it runs the engine's torch-free scheduler) is imported only when asked for
         from tuner.search.screening import CONFIRMED, measured_steps, screen, sim_runner_like
+        from tuner.simulation.step_time_model import StepTimeModel
 
         steps = measured_steps(study)
         if not steps:
@@ -148,7 +149,7 @@ class TuneSession:
                        max_runs=1)
             steps = measured_steps(study)
         sim = sim_runner_like(runner, measured=steps)
-        rescaled = sim.timer.meta.get("rescaled")  # type: ignore[attr-defined]
+        rescaled = sim.timer.meta.get("rescaled") if isinstance(sim.timer, StepTimeModel) else None
         say(f"{PROG}: screening {self.args.screen} configs in the simulator"
             + (f" (step times x{rescaled['scale']:.2f}: the profile rescaled to {rescaled['steps']} steps the engine"
                f" just ran)" if rescaled else " (profile as calibrated: no engine steps measured yet)") + " ...")
@@ -255,9 +256,9 @@ class TuneSession:
         write_report(report, study, p.slo.as_dict(), title, lines)
         say(f"{PROG}: wrote {self.out} (serve it: slotune serve --config {self.out}), {report}, {vllm_path}")
         say(f"  vLLM: {vllm.replace(chr(92) + chr(10) + '    ', '')}")
-        if d:
-            ratio = best.values[0] / default.values[0] if default is not None and default.values[0] > 0 else None
-            say(f"  {p.objective} tuned {best.values[0]:.2f} req/s vs default {default.values[0]:.2f} req/s"  # type: ignore
+        if default is not None and d:
+            ratio = best.values[0] / default.values[0] if default.values[0] > 0 else None
+            say(f"  {p.objective} tuned {best.values[0]:.2f} req/s vs default {default.values[0]:.2f} req/s"
                 + (f" ({ratio:.2f}x)" if ratio else "") + f"; p99 TBT tuned "
                 f"{format_duration(best.user_attrs['summary'].get('tbt_p99'))} vs default "
                 f"{format_duration(d.get('tbt_p99'))}")
