@@ -18,7 +18,7 @@ from typing import Any, get_args
 import yaml
 
 from engine.knobs import KNOB_BY_NAME
-from policies.control import ControlPolicyError, ControlSpec, parse_control
+from policies.control import ControlSpec, parse_control
 from policies.schema import Objective, PolicyDoc, PolicyError, Sampler, Start, validate_document
 
 SAMPLERS: tuple[str, ...] = get_args(Sampler)
@@ -89,6 +89,13 @@ class KnobRange:
         if self.kind is int:
             return IntRange(int(self.low), int(self.high), self.log, None if self.step is None else int(self.step))
         return FloatRange(float(self.low), float(self.high), self.log, None if self.step is None else float(self.step))
+
+    def overlaps(self, low: float, high: float) -> bool:
+        """Whether a value of the knob lies in ``low``..``high`` (a choice that is no number never does)."""
+        d = self.domain
+        if isinstance(d, Choices):
+            return any(isinstance(v, (int, float)) and low <= v <= high for v in d.values)
+        return max(low, d.low) <= min(high, d.high)
 
     def grid_values(self) -> list[Any]:
         """The values a grid search tries: the choices; a stepped range; powers of two for a log int range."""
@@ -287,10 +294,7 @@ def _policy(doc: PolicyDoc, data: dict[str, Any], source: str) -> Policy:
 
 
 def _control(data: dict[str, Any], space: tuple[KnobRange, ...]) -> ControlSpec:
-    try:
-        return parse_control(data, {k.name: k for k in space}, set(KNOB_BY_NAME))
-    except ControlPolicyError as error:
-        raise PolicyError(error.field, str(error).split(": ", 1)[1]) from None
+    return parse_control(data, {k.name: k for k in space}, set(KNOB_BY_NAME))  # a ControlPolicyError is a PolicyError
 
 
 def parse_policy(data: Any, source: str = "<dict>") -> Policy:
@@ -320,4 +324,4 @@ def load_policy(path: str | Path | None = None) -> Policy:
     try:
         return parse_policy(data, source=str(path))
     except PolicyError as error:
-        raise PolicyError(f"{path}: {error.field}", str(error).split(": ", 1)[1]) from None
+        raise PolicyError(f"{path}: {error.field}", error.message) from None
