@@ -105,10 +105,11 @@ class BlockPool:
 
     def drop_free_cached(self) -> int:
         """Forget the cached content of every free block (blocks a sequence holds keep theirs); returns how many."""
-        dropped = [block_id for block_id in self._cached.values() if self.blocks[block_id].ref_count == 0]
-        for block_id in dropped:
+        dropped = [(block_hash, block_id) for block_hash, block_id in self._cached.items()
+                   if self.blocks[block_id].ref_count == 0]
+        for block_hash, block_id in dropped:
             block = self.blocks[block_id]
-            del self._cached[block.block_hash]  # type: ignore[arg-type]
+            del self._cached[block_hash]
             block.block_hash = None
             block.token_ids = ()
             block.parent_hash = None

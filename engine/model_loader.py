@@ -12,6 +12,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -79,7 +80,8 @@ def convert_gguf(gguf: Path, target: Path) -> None:
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
             # A GGUF-loaded model refuses to save while it still carries its quantizer marker.
-            hf_model.hf_quantizer = None  # type: ignore[assignment]  # transformers declares it never None
+            # (cast: torch's stubs type Module.__setattr__ for tensors and modules only; any attribute may be set)
+            cast(Any, hf_model).hf_quantizer = None
             if hasattr(hf_model.config, "quantization_config"):
                 del hf_model.config.quantization_config
             hf_model.save_pretrained(tmp, safe_serialization=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,6 +15,7 @@ from engine.kv_cache import KVCache
 from engine.model import LlamaModel
 from engine.sampler import SamplingRow, sample
 from engine.scheduler import ScheduledSequence, SchedulerOutput
+from engine.sequence import Sequence
 
 # A decode group is split when its longest context would exceed this multiple of its shortest one,
 # trading the padding of one big gather against the per-group overhead of several small ones. With the C++
@@ -86,64 +87,83 @@ class ModelRunner:
     def _prepare(self, scheduled: list[ScheduledSequence]
                  ) -> tuple[list[int], torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Lay the batch out as decodes (sorted by context length, in groups) followed by prefill chunks."""
-        bs = self.kv_cache.block_size
         decodes = sorted((i for i, s in enumerate(scheduled) if not s.is_prefill),
                          key=lambda i: scheduled[i].seq.num_computed_tokens)
         prefills = [i for i, s in enumerate(scheduled) if s.is_prefill]
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        flat = _FlatBatch()
         meta = AttentionMetadata(slot_mapping=torch.empty(0))
-
         in_place = self.model.kernels is not None or self.model.triton is not None  # no gather, no mask
-        spread = math.inf if in_place else DECODE_GROUP_SPREAD
-        group_start = 0
-        while group_start < len(decodes):
-            shortest = scheduled[decodes[group_start]].seq.num_computed_tokens + 1
-            group_end = group_start
-            while group_end < len(decodes) and \
-                    scheduled[decodes[group_end]].seq.num_computed_tokens + 1 <= spread * shortest:
-                group_end += 1
-            members = [scheduled[i].seq for i in decodes[group_start:group_end]]
-            context_lens = [seq.num_computed_tokens + 1 for seq in members]
-            longest = max(context_lens)
-            num_blocks = -(-longest // bs)
-            tables = [seq.block_table[:num_blocks] + [0] * (num_blocks - len(seq.block_table[:num_blocks]))
-                      for seq in members]
-            for seq in members:
-                pos = seq.num_computed_tokens
-                ids.append(seq.token_id(pos))
-                positions.append(pos)
-                slots.append(seq.block_table[pos // bs] * bs + pos % bs)
-            lens = torch.tensor(context_lens, dtype=torch.long, device=self.device)
-            mask = None
-            if min(context_lens) != longest and not in_place:  # the mask is for torch's attention only
-                mask = (torch.arange(longest, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
-            meta.decode_groups.append(DecodeGroup(
-                start=group_start, end=group_end,
-                block_tables=torch.tensor(tables, dtype=torch.long, device=self.device), context_len=longest,
-                mask=mask, context_lens=lens))
-            group_start = group_end
-
+        context_lens = [scheduled[i].seq.num_computed_tokens + 1 for i in decodes]
+        for start, end in decode_group_bounds(context_lens, math.inf if in_place else DECODE_GROUP_SPREAD):
+            members = [scheduled[i].seq for i in decodes[start:end]]
+            meta.decode_groups.append(self._decode_group(members, start, end, in_place, flat))
         for i in prefills:
-            item = scheduled[i]
-            seq = item.seq
-            start = seq.num_computed_tokens
-            end = start + item.num_tokens
-            token_start = len(ids)
-            ids.extend(seq.token_slice(start, end))
-            positions.extend(range(start, end))
-            num_blocks = -(-end // bs)
-            table = torch.tensor(seq.block_table[:num_blocks], dtype=torch.long, device=self.device)
-            chunk_positions = torch.arange(start, end, device=self.device)
-            slots.extend((table[chunk_positions // bs] * bs + chunk_positions % bs).tolist())
-            mask = None
-            if start > 0:
-                mask = torch.arange(end, device=self.device)[None, :] <= chunk_positions[:, None]
-            meta.prefills.append(PrefillChunk(start=token_start, end=len(ids), context_len=end,
-                                              block_table=table, mask=mask))
+            meta.prefills.append(self._prefill_chunk(scheduled[i], flat))
+        meta.slot_mapping = self._tensor(flat.slots)
+        return decodes + prefills, self._tensor(flat.ids), self._tensor(flat.positions), meta
 
-        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        position_tensor = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return decodes + prefills, input_ids, position_tensor, meta
+    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _decode_group(self, members: list[Sequence], start: int, end: int, in_place: bool, flat: _FlatBatch
+                      ) -> DecodeGroup:
+        """One decode token of each of ``members`` (batch rows ``start``..``end``) laid into ``flat``, and the
+        group's block tables padded to its longest context (with the mask torch's attention needs)."""
+        bs = self.kv_cache.block_size
+        context_lens = [seq.num_computed_tokens + 1 for seq in members]
+        longest = max(context_lens)
+        num_blocks = -(-longest // bs)
+        tables = [seq.block_table[:num_blocks] + [0] * (num_blocks - len(seq.block_table[:num_blocks]))
+                  for seq in members]
+        for seq in members:
+            pos = seq.num_computed_tokens
+            flat.ids.append(seq.token_id(pos))
+            flat.positions.append(pos)
+            flat.slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+        lens = self._tensor(context_lens)
+        mask = None
+        if min(context_lens) != longest and not in_place:  # the mask is for torch's attention only
+            mask = (torch.arange(longest, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+        return DecodeGroup(start=start, end=end, block_tables=self._tensor(tables), context_len=longest, mask=mask,
+                           context_lens=lens)
+
+    def _prefill_chunk(self, item: ScheduledSequence, flat: _FlatBatch) -> PrefillChunk:
+        """The item's prefill chunk laid into ``flat``, with its block table and causal mask."""
+        bs = self.kv_cache.block_size
+        seq = item.seq
+        start = seq.num_computed_tokens
+        end = start + item.num_tokens
+        token_start = len(flat.ids)
+        flat.ids.extend(seq.token_slice(start, end))
+        flat.positions.extend(range(start, end))
+        num_blocks = -(-end // bs)
+        table = self._tensor(seq.block_table[:num_blocks])
+        chunk_positions = torch.arange(start, end, device=self.device)
+        flat.slots.extend((table[chunk_positions // bs] * bs + chunk_positions % bs).tolist())
+        mask = None
+        if start > 0:
+            mask = torch.arange(end, device=self.device)[None, :] <= chunk_positions[:, None]
+        return PrefillChunk(start=token_start, end=len(flat.ids), context_len=end, block_table=table, mask=mask)
+
+
+@dataclass
+class _FlatBatch:
+    """The step's tokens, flattened: each one's id, position and KV-cache slot."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+
+
+def decode_group_bounds(context_lens: list[int], spread: float) -> list[tuple[int, int]]:
+    """The [start, end) of each decode group over context lengths in increasing order: a group ends before the
+    first length over ``spread`` times its shortest."""
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    while start < len(context_lens):
+        end = start
+        while end < len(context_lens) and context_lens[end] <= spread * context_lens[start]:
+            end += 1
+        bounds.append((start, end))
+        start = end
+    return bounds

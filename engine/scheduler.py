@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import KVCacheManager
@@ -52,6 +51,31 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled and not self.swap_out and not self.swap_in
+
+
+@dataclass(slots=True)
+class _StepBudget:
+    """What one step has left as sequences are scheduled into ``out``: tokens (prefill and decode alike), prefill
+    tokens, and the largest prefill chunk of one sequence."""
+
+    out: SchedulerOutput
+    tokens: int
+    prefill: int
+    chunk: int
+
+    def tokens_for(self, seq: Sequence, uncomputed: int) -> int:
+        """How many of ``seq``'s ``uncomputed`` tokens fit in the step."""
+        if seq.in_prefill:
+            return min(uncomputed, self.chunk, self.prefill, self.tokens)
+        return min(uncomputed, self.tokens)
+
+    def take(self, seq: Sequence, n: int) -> None:
+        is_prefill = seq.in_prefill
+        self.out.scheduled.append(ScheduledSequence(
+            seq, n, is_prefill, samples=seq.num_computed_tokens + n == seq.num_tokens))
+        self.tokens -= n
+        if is_prefill:
+            self.prefill -= n
 
 
 class RequestQueue:
@@ -168,101 +192,97 @@ class Scheduler:
 
     # Scheduling -------------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """The next step's batch under one token budget: the running sequences first (the newest preempted when
+        blocks run out), then preempted ones coming back, then new ones."""
         cfg = self.config
         out = SchedulerOutput()
-        budget = cfg.max_num_batched_tokens
-        prefill_left = cfg.max_prefill_tokens_per_step()
-        chunk = cfg.max_chunk()
-
-        def tokens_for(seq: Sequence, uncomputed: int) -> int:
-            if seq.in_prefill:
-                return min(uncomputed, chunk, prefill_left, budget)
-            return min(uncomputed, budget)
-
-        def take(seq: Sequence, n: int) -> None:
-            nonlocal budget, prefill_left
-            is_prefill = seq.in_prefill
-            out.scheduled.append(ScheduledSequence(
-                seq, n, is_prefill, samples=seq.num_computed_tokens + n == seq.num_tokens))
-            budget -= n
-            if is_prefill:
-                prefill_left -= n
-
-        # 1. Running sequences, oldest (highest priority) first; victims come from the end.
-        running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
-        while len(running) > cfg.max_num_seqs:  # a lowered max_num_seqs holds from this step on
-            self._preempt(running.pop(), out)
-        block_size = self.kv.block_size
-        scheduled = out.scheduled
-        i = 0
-        while i < len(running):
-            seq: Sequence | None = running[i]
-            assert seq is not None
-            # Fast path, most sequences in most steps: one decode token that fits in the last block.
-            computed = seq.num_computed_tokens
-            if (computed + 1 == seq.num_tokens and computed >= seq.num_prompt_tokens and budget > 0
-                    and computed < len(seq.block_table) * block_size):
-                scheduled.append(ScheduledSequence(seq, 1, False, True))
-                budget -= 1
-                i += 1
-                continue
-            n = tokens_for(seq, seq.num_uncomputed_tokens)
-            if n == 0:
-                i += 1
-                continue
-            while not self.kv.allocate(seq, n):
-                victim = running.pop()
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            else:
-                take(seq, n)
-                i += 1
-                continue
-            break
-        self.running = running
-
-        # 2. Preempted sequences come back before new ones are admitted; not in a step that just preempted (as in
+        step = _StepBudget(out, cfg.max_num_batched_tokens, cfg.max_prefill_tokens_per_step(), cfg.max_chunk())
+        self.running = self._schedule_running(step)
+        # Preempted sequences come back before new ones are admitted; not in a step that just preempted (as in
         # vLLM v1): the blocks freed were needed by older sequences, and a victim must not bounce straight back.
         if out.num_preemptions:
             return out
-        while budget > 0 and len(self.running) < cfg.max_num_seqs and len(self.preempted):
-            seq = self.preempted.peek()
-            assert seq is not None
-            if seq.status is SequenceStatus.SWAPPED:
-                n = tokens_for(seq, seq.num_uncomputed_tokens)
-                if n == 0 or not self.kv.can_swap_in(seq, n):
-                    break
-                out.swap_in.extend(self.kv.swap_in(seq, n))
-                self._start_running(self.preempted.pop())
-                take(seq, n)
-            elif not self._admit(self.preempted, tokens_for, take, out):
+        while self._has_room(step) and len(self.preempted):
+            if not self._resume(step):
                 break
-
-        # 3. New sequences, only once no preempted one is left waiting to come back.
-        while budget > 0 and len(self.running) < cfg.max_num_seqs and len(self.waiting) and not len(self.preempted):
-            if not self._admit(self.waiting, tokens_for, take, out):
+        # New sequences, only once no preempted one is left waiting to come back.
+        while self._has_room(step) and len(self.waiting) and not len(self.preempted):
+            if not self._admit(self.waiting, step):
                 break
         return out
 
-    def _admit(self, queue: RequestQueue, tokens_for: Callable[[Sequence, int], int],
-               take: Callable[[Sequence, int], None], out: SchedulerOutput) -> bool:
+    def _has_room(self, step: _StepBudget) -> bool:
+        return step.tokens > 0 and len(self.running) < self.config.max_num_seqs
+
+    def _schedule_running(self, step: _StepBudget) -> list[Sequence]:
+        """Schedule the running sequences, oldest (highest priority) first; victims of preemption come from the
+        end. Returns the sequences still running."""
+        running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+        while len(running) > self.config.max_num_seqs:  # a lowered max_num_seqs holds from this step on
+            self._preempt(running.pop(), step.out)
+        block_size = self.kv.block_size
+        scheduled = step.out.scheduled
+        i = 0
+        while i < len(running):
+            seq = running[i]
+            # Fast path, most sequences in most steps: one decode token that fits in the last block.
+            computed = seq.num_computed_tokens
+            if (computed + 1 == seq.num_tokens and computed >= seq.num_prompt_tokens and step.tokens > 0
+                    and computed < len(seq.block_table) * block_size):
+                scheduled.append(ScheduledSequence(seq, 1, False, True))
+                step.tokens -= 1
+                i += 1
+                continue
+            n = step.tokens_for(seq, seq.num_uncomputed_tokens)
+            if n > 0:
+                if not self._allocate_or_preempt(seq, n, running, step.out):
+                    break
+                step.take(seq, n)
+            i += 1
+        return running
+
+    def _allocate_or_preempt(self, seq: Sequence, n: int, running: list[Sequence], out: SchedulerOutput) -> bool:
+        """Blocks for ``n`` more tokens of ``seq``, preempting the newest of ``running`` until they fit; False when
+        ``seq`` itself had to go."""
+        while not self.kv.allocate(seq, n):
+            victim = running.pop()
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _resume(self, step: _StepBudget) -> bool:
+        """Bring the head of the preempted queue back (a swapped one swapped in, a recomputed one restarted); False
+        when it does not fit."""
+        seq = self.preempted.peek()
+        assert seq is not None
+        if seq.status is not SequenceStatus.SWAPPED:
+            return self._admit(self.preempted, step)
+        n = step.tokens_for(seq, seq.num_uncomputed_tokens)
+        if n == 0 or not self.kv.can_swap_in(seq, n):
+            return False
+        step.out.swap_in.extend(self.kv.swap_in(seq, n))
+        self._start_running(self.preempted.pop())
+        step.take(seq, n)
+        return True
+
+    def _admit(self, queue: RequestQueue, step: _StepBudget) -> bool:
         """Start (or restart from scratch) the head of `queue` if its first chunk fits; False if it does not."""
         seq = queue.peek()
         assert seq is not None
         prefix = self.kv.find_prefix(seq)
         cached_tokens = prefix.num_blocks * self.kv.block_size
-        n = tokens_for(seq, seq.num_tokens - cached_tokens)
+        n = step.tokens_for(seq, seq.num_tokens - cached_tokens)
         if n == 0 or not self.kv.allocate(seq, n, prefix):
             return False
         if self.kv.enable_prefix_caching:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += cached_tokens
-        out.prefix_hit_tokens += cached_tokens
+        step.out.prefix_hit_tokens += cached_tokens
         if seq.status is SequenceStatus.WAITING:
             seq.num_cached_tokens = cached_tokens
         self._start_running(queue.pop())
-        take(seq, n)
+        step.take(seq, n)
         return True
 
     def _start_running(self, seq: Sequence) -> None:

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from dataclasses import replace
-from typing import Callable
+from typing import IO, Callable
 
 from loadtest.config import OPTIONS, LoadConfig, to_argv
 from loadtest.schedule import build_schedule
@@ -132,17 +132,30 @@ def run_loadtest(cfg: LoadConfig, workers: int = 1, on_progress: Callable[[dict]
     if workers < 1:
         raise ValueError("workers must be >= 1")
     schedule = build_schedule(cfg)  # fail early on bad options, and size the timeout
-    out = cfg.out or os.path.join("loadtest-results", time.strftime("%Y%m%d-%H%M%S"))
-    cfg = replace(cfg, out=os.path.abspath(out))
+    cfg = _fresh_output(cfg)
     assert cfg.out is not None
-    os.makedirs(cfg.out, exist_ok=True)
-    summary_path = os.path.join(cfg.out, "summary.json")
-    for name in ("summary.json", "records.parquet", "records.csv"):
-        if os.path.exists(os.path.join(cfg.out, name)):
-            os.remove(os.path.join(cfg.out, name))
     if timeout is None:
         timeout = STARTUP_ALLOWANCE_S + schedule.duration_s + cfg.drain_timeout + 30.0
+    scheduling, errors = _run_locust(cfg, workers, on_progress, timeout, _priority(nice, realtime, cpus))
+    return _finish_summary(cfg.out, scheduling, errors)
 
+
+def _fresh_output(cfg: LoadConfig) -> LoadConfig:
+    """``cfg`` with its output directory made absolute (default: a new one under loadtest-results), created, and
+    cleared of an earlier run's summary and records."""
+    out = os.path.abspath(cfg.out or os.path.join("loadtest-results", time.strftime("%Y%m%d-%H%M%S")))
+    os.makedirs(out, exist_ok=True)
+    for name in ("summary.json", "records.parquet", "records.csv"):
+        if os.path.exists(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
+    return replace(cfg, out=out)
+
+
+def _run_locust(cfg: LoadConfig, workers: int, on_progress: Callable[[dict], None] | None, timeout: float,
+                preexec: Callable[[], None]) -> tuple[str, list[str]]:
+    """Run the Locust master (or single process) and its workers to the end; returns the master's scheduling
+    and the errors it reported (or that stopped it)."""
+    assert cfg.out is not None
     main_cmd, worker_cmds = locust_commands(cfg, workers)
     env = _child_env()
     procs: list[subprocess.Popen] = []
@@ -154,31 +167,15 @@ def run_loadtest(cfg: LoadConfig, workers: int = 1, on_progress: Callable[[dict]
         logs.append(main_log)
         # a session of their own: Ctrl-C reaches only us, and we stop Locust cleanly
         main = subprocess.Popen(main_cmd, stdout=subprocess.PIPE, stderr=main_log, env=env, text=True,
-                                start_new_session=True, preexec_fn=_priority(nice, realtime, cpus))
+                                start_new_session=True, preexec_fn=preexec)
         procs.append(main)
         for i, cmd in enumerate(worker_cmds):
             wlog = open(os.path.join(cfg.out, f"locust-worker-{i}.log"), "w")
             logs.append(wlog)
             procs.append(subprocess.Popen(cmd, stdout=wlog, stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True, preexec_fn=_priority(nice, realtime, cpus)))
-
-        def relay() -> None:
-            assert main.stdout is not None
-            for line in main.stdout:
-                if line.startswith("SLOTUNE_PROGRESS "):
-                    if on_progress is not None:
-                        try:
-                            on_progress(json.loads(line.split(" ", 1)[1]))
-                        except Exception:  # progress display must never break a run
-                            pass
-                elif line.startswith("SLOTUNE_ERROR "):
-                    errors.append(json.loads(line.split(" ", 1)[1]))
-                else:
-                    main_log.write(line)
-            main_log.flush()
-
+                                          start_new_session=True, preexec_fn=preexec))
         scheduling = _scheduling(main.pid)
-        reader = threading.Thread(target=relay, daemon=True)
+        reader = threading.Thread(target=_relay, args=(main, main_log, on_progress, errors), daemon=True)
         reader.start()
         try:
             main.wait(timeout)
@@ -199,8 +196,33 @@ def run_loadtest(cfg: LoadConfig, workers: int = 1, on_progress: Callable[[dict]
             stop_process(p, 5.0)
         for f in logs:
             f.close()
+    return scheduling, errors
+
+
+def _relay(main: subprocess.Popen, main_log: IO[str], on_progress: Callable[[dict], None] | None,
+           errors: list[str]) -> None:
+    """The master's output: progress lines to ``on_progress``, error lines to ``errors``, the rest to its log."""
+    assert main.stdout is not None
+    for line in main.stdout:
+        if line.startswith("SLOTUNE_PROGRESS "):
+            if on_progress is not None:
+                try:
+                    on_progress(json.loads(line.split(" ", 1)[1]))
+                except Exception:  # progress display must never break a run
+                    pass
+        elif line.startswith("SLOTUNE_ERROR "):
+            errors.append(json.loads(line.split(" ", 1)[1]))
+        else:
+            main_log.write(line)
+    main_log.flush()
+
+
+def _finish_summary(out: str, scheduling: str, errors: list[str]) -> dict:
+    """The summary the run wrote, with the load processes' scheduling and the run's errors added (and written
+    back). Raises LoadTestError, with the log's tail, when there is none."""
+    summary_path = os.path.join(out, "summary.json")
     if not os.path.exists(summary_path):
-        log_path = os.path.join(cfg.out, "locust.log")
+        log_path = os.path.join(out, "locust.log")
         tail = ""
         if os.path.exists(log_path):
             with open(log_path) as f:

@@ -114,18 +114,35 @@ def summarize(records: Any, slo: SLO | None = None, duration_s: float | None = N
     meta = dict(meta or {})
     recs = _as_records(records)
     if window is not None:
-        a, b = window
-        recs = [r for r in recs if a <= r.scheduled_at < b]
-        if duration_s is None:
-            duration_s = b - a
+        recs = [r for r in recs if window[0] <= r.scheduled_at < window[1]]
+    out = _figures(recs, slo, _duration(recs, duration_s, window, meta), lag_warn)
+    out["window"] = list(window) if window is not None else None
+    lagging = out["send_lag_p99"] is not None and out["send_lag_p99"] > lag_warn
+    out["generator_kept_up"] = not lagging and not out["not_sent"]
+    out["warnings"] = _warnings(out, recs, lag_warn)
+    for k, v in meta.items():
+        out.setdefault(k, v)
+    return _jsonable(out)
+
+
+def _duration(recs: list[RequestRecord], duration_s: float | None, window: tuple[float, float] | None,
+              meta: dict[str, Any]) -> float | None:
+    """The seconds the rates divide by: ``duration_s``, else the window's length, else the schedule's, else the
+    span of the intended send times (stretched by one interval per request)."""
+    if duration_s is None and window is not None:
+        duration_s = window[1] - window[0]
     if duration_s is None:
         duration_s = meta.get("schedule_duration_s")
     if duration_s is None and recs:
         at = [r.scheduled_at for r in recs]
         span = max(at) - min(at)
         duration_s = span * len(recs) / (len(recs) - 1) if len(recs) > 1 and span > 0 else None
-    per_s = (1.0 / duration_s) if duration_s and duration_s > 0 else math.nan
+    return duration_s
 
+
+def _figures(recs: list[RequestRecord], slo: SLO, duration_s: float | None, lag_warn: float) -> dict[str, Any]:
+    """The counts, rates, latency percentiles, attainment and send lags of the window's requests."""
+    per_s = (1.0 / duration_s) if duration_s and duration_s > 0 else math.nan
     status = Counter(r.status for r in recs)
     ok = [r for r in recs if r.status == "ok"]
     ttft = np.array([r.ttft for r in recs if not math.isnan(r.ttft)], dtype=float)
@@ -141,7 +158,7 @@ def summarize(records: Any, slo: SLO | None = None, duration_s: float | None = N
         v = x * per_s
         return None if math.isnan(v) else v
 
-    out: dict[str, Any] = {
+    return {
         "requests": n,
         "completed": status.get("ok", 0),
         "failed": status.get("error", 0),
@@ -166,8 +183,12 @@ def summarize(records: Any, slo: SLO | None = None, duration_s: float | None = N
         "send_lag_max": float(lags.max()) if lags.size else None,
         "late_sends": int((lags > lag_warn).sum()),
         "slo": slo.as_dict(),
-        "window": list(window) if window is not None else None,
     }
+
+
+def _warnings(out: dict[str, Any], recs: list[RequestRecord], lag_warn: float) -> list[str]:
+    """What a reader of the summary must know: a generator that fell behind, requests not sent, unfinished or
+    failed (the most common errors)."""
     warnings = []
     if out["send_lag_p99"] is not None and out["send_lag_p99"] > lag_warn:
         warnings.append(f"the generator could not keep up: send lag p99 {format_duration(out['send_lag_p99'])} "
@@ -180,12 +201,7 @@ def summarize(records: Any, slo: SLO | None = None, duration_s: float | None = N
     if out["failed"]:
         top = Counter(r.error.split("\n")[0][:120] for r in recs if r.status == "error").most_common(3)
         warnings.append(f"{out['failed']} requests failed: " + "; ".join(f"{c}x {e}" for e, c in top))
-    out["generator_kept_up"] = not (out["send_lag_p99"] is not None and out["send_lag_p99"] > lag_warn) \
-        and not out["not_sent"]
-    out["warnings"] = warnings
-    for k, v in meta.items():
-        out.setdefault(k, v)
-    return _jsonable(out)
+    return warnings
 
 
 def _jsonable(x: Any) -> Any:

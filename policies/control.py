@@ -13,11 +13,13 @@ change limit, a canary whose shortest window is longer than its longest) are err
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-from slotune.units import parse_duration
+from pydantic import BeforeValidator, Field, ValidationInfo, model_validator
+
+from engine.knobs import KNOB_BY_NAME
+from policies.schema import At, Doc, Duration, OptionalPositiveSeconds, PolicyError, PositiveSeconds, validate_as
 
 if TYPE_CHECKING:
     from policies.policy import KnobRange
@@ -25,12 +27,8 @@ if TYPE_CHECKING:
 CONTROL_SECTIONS = ("guardrails", "triggers", "canary", "retune")
 
 
-class ControlPolicyError(ValueError):
-    """A bad controller section; the message starts with the field's path (as policies.PolicyError)."""
-
-    def __init__(self, field_path: str, message: str) -> None:
-        super().__init__(f"{field_path}: {message}")
-        self.field = field_path
+class ControlPolicyError(PolicyError):
+    """A bad controller section; the message starts with the field's path (a PolicyError like any other)."""
 
 
 @dataclass(frozen=True)
@@ -94,137 +92,130 @@ class ControlSpec:
     retune: Retune = Retune()
 
 
-# ------------------------------------------------------------------------------------------------ parsing
+# ---------------------------------------------------------------------------------------- the sections' schema
+# Each section's document (pydantic, as policies.schema): its defaults are the dataclass's; the guardrails are also
+# checked against the validated search space, which the validation context carries.
 
-def _mapping(value: Any, path: str) -> dict[str, Any]:
+def _names_are_strings(value: Any) -> Any:
+    """None is an empty mapping; a mapping's keys must be strings (YAML allows numbers too)."""
     if value is None:
         return {}
-    if not isinstance(value, dict):
-        raise ControlPolicyError(path, f"must be a mapping, got {type(value).__name__}")
-    extra = [str(k) for k in value if not isinstance(k, str)]
-    if extra:
-        raise ControlPolicyError(f"{path}.{extra[0]}", "field names must be strings")
+    if isinstance(value, dict):
+        for key in value:
+            if not isinstance(key, str):
+                raise At(str(key), "field names must be strings")
     return value
 
 
-def _only(d: dict[str, Any], allowed: set[str], path: str) -> None:
-    extra = sorted(set(d) - allowed)
-    if extra:
-        raise ControlPolicyError(f"{path}.{extra[0]}", f"unknown field; known: {', '.join(sorted(allowed))}")
+def _none_is_empty(value: Any) -> Any:
+    return [] if value is None else value
 
 
-def _seconds(value: Any, path: str, allow_zero: bool = False) -> float:
-    try:
-        seconds = parse_duration(value)
-    except ValueError as error:
-        raise ControlPolicyError(path, str(error)) from None
-    if seconds < 0 or (seconds == 0 and not allow_zero):
-        raise ControlPolicyError(path, f"must be {'>=' if allow_zero else '>'} 0, got {value!r}")
-    return seconds
+class SectionDoc(Doc):
+    """A controller section: null is the defaults."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mapping(cls, data: Any) -> Any:
+        return _names_are_strings(data)
 
 
-def _num(value: Any, path: str, low: float, high: float = math.inf, integer: bool = False,
-         low_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
-        raise ControlPolicyError(path, f"must be a finite number, got {value!r}")
-    if integer and not float(value).is_integer():
-        raise ControlPolicyError(path, f"must be an integer, got {value!r}")
-    if (value <= low if low_open else value < low) or value > high:
-        bound = f"{'>' if low_open else '>='} {low:g}" + ("" if math.isinf(high) else f" and <= {high:g}")
-        raise ControlPolicyError(path, f"must be {bound}, got {value!r}")
-    return float(value)
+class BoundDoc(SectionDoc):
+    low: float = Field(ge=0)
+    high: float = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> BoundDoc:
+        if self.low > self.high:
+            raise At("low", f"must be <= high ({self.high:g}), got {self.low:g}")
+        return self
 
 
-def _guardrails(raw: Any, space: dict[str, KnobRange], knob_names: set[str]) -> Guardrails:
-    d = _mapping(raw, "guardrails")
-    _only(d, {"bounds", "max_change", "default_max_change", "frozen", "cooldown"}, "guardrails")
-    frozen_raw = d.get("frozen") or []
-    if not isinstance(frozen_raw, list) or not all(isinstance(k, str) for k in frozen_raw):
-        raise ControlPolicyError("guardrails.frozen", f"must be a list of knob names, got {frozen_raw!r}")
-    for i, k in enumerate(frozen_raw):
-        if k not in knob_names:
-            raise ControlPolicyError(f"guardrails.frozen[{i}]", f"unknown knob {k!r}")
-    frozen = tuple(frozen_raw)
-    if space and set(space) <= set(frozen):
-        raise ControlPolicyError("guardrails.frozen", "freezes every searched knob: the controller could never move")
-    bounds: dict[str, tuple[float, float]] = {}
-    for k, spec in _mapping(d.get("bounds"), "guardrails.bounds").items():
-        path = f"guardrails.bounds.{k}"
+class GuardrailsDoc(SectionDoc):
+    bounds: Annotated[dict[str, BoundDoc], BeforeValidator(_names_are_strings)] = {}
+    max_change: Annotated[dict[str, Annotated[float, Field(gt=1)]], BeforeValidator(_names_are_strings)] = {}
+    default_max_change: float = Field(Guardrails.default_max_change, gt=1)
+    frozen: Annotated[list[str], BeforeValidator(_none_is_empty)] = []
+    cooldown: Duration = Guardrails.cooldown
+
+    @model_validator(mode="after")
+    def _consistent(self, info: ValidationInfo) -> GuardrailsDoc:
+        context = info.context or {}
+        space: dict[str, KnobRange] = context.get("space", {})
+        knob_names: set[str] = context.get("knob_names", set(KNOB_BY_NAME))
+        for i, k in enumerate(self.frozen):
+            if k not in knob_names:
+                raise At(f"frozen[{i}]", f"unknown knob {k!r}")
+        if space and set(space) <= set(self.frozen):
+            raise At("frozen", "freezes every searched knob: the controller could never move")
+        for k, bound in self.bounds.items():
+            self._check_bound(k, bound, space)
+        for k in self.max_change:
+            if k not in knob_names:
+                raise At(f"max_change.{k}", "unknown knob")
+            if k in self.frozen:
+                raise At(f"max_change.{k}", "contradicts guardrails.frozen: a frozen knob never changes")
+        return self
+
+    def _check_bound(self, k: str, bound: BoundDoc, space: dict[str, KnobRange]) -> None:
         if k not in space:
-            raise ControlPolicyError(path, "is not a searched knob (search_space names the knobs that may move)")
-        if k in frozen:
-            raise ControlPolicyError(path, "contradicts guardrails.frozen: a frozen knob has no bounds to move in")
-        spec = _mapping(spec, path)
-        _only(spec, {"low", "high"}, path)
-        if "low" not in spec or "high" not in spec:
-            raise ControlPolicyError(path, "needs both low and high")
-        low, high = _num(spec["low"], f"{path}.low", 0.0), _num(spec["high"], f"{path}.high", 0.0)
-        if low > high:
-            raise ControlPolicyError(f"{path}.low", f"must be <= high ({high:g}), got {low:g}")
+            raise At(f"bounds.{k}", "is not a searched knob (search_space names the knobs that may move)")
+        if k in self.frozen:
+            raise At(f"bounds.{k}", "contradicts guardrails.frozen: a frozen knob has no bounds to move in")
         searched = space[k]
-        if searched.choices is not None:
-            overlap = any(isinstance(v, (int, float)) and low <= v <= high for v in searched.choices)
-            shown = str(list(searched.choices))
-        else:
-            overlap = max(low, float(searched.low or 0)) <= min(high, float(searched.high or 0))
-            shown = f"[{searched.low}, {searched.high}]"
-        if not overlap:
-            raise ControlPolicyError(path, f"[{low:g}, {high:g}] leaves no value of search_space.{k} {shown}")
-        bounds[k] = (low, high)
-    max_change: dict[str, float] = {}
-    for k, v in _mapping(d.get("max_change"), "guardrails.max_change").items():
-        path = f"guardrails.max_change.{k}"
-        if k not in knob_names:
-            raise ControlPolicyError(path, "unknown knob")
-        if k in frozen:
-            raise ControlPolicyError(path, "contradicts guardrails.frozen: a frozen knob never changes")
-        max_change[k] = _num(v, path, 1.0, low_open=True)
-    return Guardrails(bounds=bounds, max_change=max_change,
-                      default_max_change=_num(d.get("default_max_change", 2.0), "guardrails.default_max_change", 1.0,
-                                              low_open=True),
-                      frozen=frozen, cooldown=_seconds(d.get("cooldown", "60s"), "guardrails.cooldown", True))
+        if not searched.overlaps(bound.low, bound.high):
+            shown = str(list(searched.choices)) if searched.choices is not None else \
+                f"[{searched.low}, {searched.high}]"
+            raise At(f"bounds.{k}", f"[{bound.low:g}, {bound.high:g}] leaves no value of search_space.{k} {shown}")
 
 
-def _triggers(raw: Any) -> Triggers:
-    d = _mapping(raw, "triggers")
-    _only(d, {"attainment_target", "window", "min_requests", "drift_threshold", "drift_window", "schedule"},
-          "triggers")
-    schedule = d.get("schedule")
-    return Triggers(
-        attainment_target=_num(d.get("attainment_target", 0.9), "triggers.attainment_target", 0.0, 1.0,
-                               low_open=True),
-        window=_seconds(d.get("window", "60s"), "triggers.window"),
-        min_requests=int(_num(d.get("min_requests", 40), "triggers.min_requests", 1, integer=True)),
-        drift_threshold=_num(d.get("drift_threshold", 0.3), "triggers.drift_threshold", 0.0, low_open=True),
-        drift_window=_seconds(d.get("drift_window", "60s"), "triggers.drift_window"),
-        schedule=None if schedule is None else _seconds(schedule, "triggers.schedule"))
+class TriggersDoc(SectionDoc):
+    attainment_target: float = Field(Triggers.attainment_target, gt=0, le=1)
+    window: PositiveSeconds = Triggers.window
+    min_requests: int = Field(Triggers.min_requests, ge=1)
+    drift_threshold: float = Field(Triggers.drift_threshold, gt=0)
+    drift_window: PositiveSeconds = Triggers.drift_window
+    schedule: OptionalPositiveSeconds = Triggers.schedule
 
 
-def _canary(raw: Any) -> Canary:
-    d = _mapping(raw, "canary")
-    _only(d, {"min_requests", "min_window", "max_window", "lease_margin", "rollback_drop"}, "canary")
-    c = Canary(min_requests=int(_num(d.get("min_requests", 40), "canary.min_requests", 1, integer=True)),
-               min_window=_seconds(d.get("min_window", "20s"), "canary.min_window"),
-               max_window=_seconds(d.get("max_window", "120s"), "canary.max_window"),
-               lease_margin=_seconds(d.get("lease_margin", "30s"), "canary.lease_margin"),
-               rollback_drop=_num(d.get("rollback_drop", 0.15), "canary.rollback_drop", 0.0, 1.0))
-    if c.min_window > c.max_window:
-        raise ControlPolicyError("canary.min_window", f"must be <= canary.max_window ({c.max_window:g}s), got "
-                                                      f"{c.min_window:g}s")
-    return c
+class CanaryDoc(SectionDoc):
+    min_requests: int = Field(Canary.min_requests, ge=1)
+    min_window: PositiveSeconds = Canary.min_window
+    max_window: PositiveSeconds = Canary.max_window
+    lease_margin: PositiveSeconds = Canary.lease_margin
+    rollback_drop: float = Field(Canary.rollback_drop, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _windows(self) -> CanaryDoc:
+        if self.min_window > self.max_window:
+            raise At("min_window", f"must be <= canary.max_window ({self.max_window:g}s), got {self.min_window:g}s")
+        return self
 
 
-def _retune(raw: Any) -> Retune:
-    d = _mapping(raw, "retune")
-    _only(d, {"candidates", "headroom", "sim_duration", "step_history"}, "retune")
-    return Retune(candidates=int(_num(d.get("candidates", 48), "retune.candidates", 1, integer=True)),
-                  headroom=_num(d.get("headroom", 1.25), "retune.headroom", 1.0),
-                  sim_duration=_seconds(d.get("sim_duration", "30s"), "retune.sim_duration"),
-                  step_history=_seconds(d.get("step_history", "300s"), "retune.step_history"))
+class RetuneDoc(SectionDoc):
+    candidates: int = Field(Retune.candidates, ge=1)
+    headroom: float = Field(Retune.headroom, ge=1)
+    sim_duration: PositiveSeconds = Retune.sim_duration
+    step_history: PositiveSeconds = Retune.step_history
+
+
+class ControlDoc(Doc):
+    guardrails: GuardrailsDoc
+    triggers: TriggersDoc
+    canary: CanaryDoc
+    retune: RetuneDoc
 
 
 def parse_control(data: dict[str, Any], space: dict[str, KnobRange], knob_names: set[str]) -> ControlSpec:
-    """The controller's sections of a parsed policy document, checked against its search space."""
-    return ControlSpec(guardrails=_guardrails(data.get("guardrails"), space, knob_names),
-                       triggers=_triggers(data.get("triggers")), canary=_canary(data.get("canary")),
-                       retune=_retune(data.get("retune")))
+    """The controller's sections of a parsed policy document, checked against its search space; raises
+    ControlPolicyError naming the field."""
+    try:
+        doc = validate_as(ControlDoc, {section: data.get(section) for section in CONTROL_SECTIONS},
+                          context={"space": space, "knob_names": knob_names})
+    except PolicyError as error:
+        raise ControlPolicyError(error.field, error.message) from None
+    g = doc.guardrails
+    guardrails = Guardrails(bounds={k: (b.low, b.high) for k, b in g.bounds.items()}, max_change=dict(g.max_change),
+                            default_max_change=g.default_max_change, frozen=tuple(g.frozen), cooldown=g.cooldown)
+    return ControlSpec(guardrails=guardrails, triggers=Triggers(**doc.triggers.model_dump()),
+                       canary=Canary(**doc.canary.model_dump()), retune=Retune(**doc.retune.model_dump()))

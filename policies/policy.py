@@ -18,7 +18,7 @@ from typing import Any, get_args
 import yaml
 
 from engine.knobs import KNOB_BY_NAME
-from policies.control import ControlPolicyError, ControlSpec, parse_control
+from policies.control import ControlSpec, parse_control
 from policies.schema import Objective, PolicyDoc, PolicyError, Sampler, Start, validate_document
 
 SAMPLERS: tuple[str, ...] = get_args(Sampler)
@@ -27,8 +27,43 @@ STARTS: tuple[str, ...] = get_args(Start)
 
 
 @dataclass(frozen=True)
+class Choices:
+    """A knob searched over listed values (any kind: numbers, names, booleans)."""
+
+    values: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class IntRange:
+    """An integer knob searched over ``low``..``high`` (both included), every ``step``-th value when given."""
+
+    low: int
+    high: int
+    log: bool = False
+    step: int | None = None
+
+    def values(self) -> list[int]:
+        """Every value of the range in increasing order (every integer when there is no step)."""
+        return list(range(self.low, self.high + 1, self.step or 1))
+
+
+@dataclass(frozen=True)
+class FloatRange:
+    """A float knob searched over ``low``..``high``, on a grid of ``step`` when given."""
+
+    low: float
+    high: float
+    log: bool = False
+    step: float | None = None
+
+
+Domain = Choices | IntRange | FloatRange
+
+
+@dataclass(frozen=True)
 class KnobRange:
-    """How one knob is searched: ``choices``, or ``low``..``high`` (ints or floats) with optional ``log``/``step``."""
+    """How one knob is searched: ``choices``, or ``low``..``high`` (ints or floats) with optional ``log``/``step``.
+    :attr:`domain` is the same, typed by its kind (the choices, an integer range or a float range)."""
 
     name: str
     low: float | int | None = None
@@ -37,24 +72,45 @@ class KnobRange:
     step: float | int | None = None
     choices: tuple[Any, ...] | None = None
 
+    def __post_init__(self) -> None:
+        if self.choices is None and (self.low is None or self.high is None):
+            raise PolicyError(f"search_space.{self.name}", "needs `choices` or both `low` and `high`")
+
     @property
     def kind(self) -> type:
         return KNOB_BY_NAME[self.name].type
 
+    @property
+    def domain(self) -> Domain:
+        """The choices, or the range typed as the knob's kind (an int range for an integer knob)."""
+        if self.choices is not None:
+            return Choices(self.choices)
+        assert self.low is not None and self.high is not None  # __post_init__: a range has both
+        if self.kind is int:
+            return IntRange(int(self.low), int(self.high), self.log, None if self.step is None else int(self.step))
+        return FloatRange(float(self.low), float(self.high), self.log, None if self.step is None else float(self.step))
+
+    def overlaps(self, low: float, high: float) -> bool:
+        """Whether a value of the knob lies in ``low``..``high`` (a choice that is no number never does)."""
+        d = self.domain
+        if isinstance(d, Choices):
+            return any(isinstance(v, (int, float)) and low <= v <= high for v in d.values)
+        return max(low, d.low) <= min(high, d.high)
+
     def grid_values(self) -> list[Any]:
         """The values a grid search tries: the choices; a stepped range; powers of two for a log int range."""
-        if self.choices is not None:
-            return list(self.choices)
-        assert self.low is not None and self.high is not None
-        if self.step is not None:
-            n = int(math.floor((self.high - self.low) / self.step + 1e-9)) + 1
-            return [self.kind(self.low + i * self.step) for i in range(n)]
-        if self.log and self.kind is int:
-            values, v = [], int(self.low)
-            while v <= self.high:
+        d = self.domain
+        if isinstance(d, Choices):
+            return list(d.values)
+        if d.step is not None:
+            n = int(math.floor((d.high - d.low) / d.step + 1e-9)) + 1
+            return [self.kind(d.low + i * d.step) for i in range(n)]
+        if isinstance(d, IntRange) and d.log:
+            values, v = [], d.low
+            while v <= d.high:
                 values.append(v)
                 v *= 2
-            return values if values[-1] == self.high else values + [int(self.high)]
+            return values if values[-1] == d.high else values + [d.high]
         raise PolicyError(f"search_space.{self.name}", "the grid sampler needs `choices` or a `step` "
                                                        "(or `log: true` for an integer range)")
 
@@ -238,10 +294,7 @@ def _policy(doc: PolicyDoc, data: dict[str, Any], source: str) -> Policy:
 
 
 def _control(data: dict[str, Any], space: tuple[KnobRange, ...]) -> ControlSpec:
-    try:
-        return parse_control(data, {k.name: k for k in space}, set(KNOB_BY_NAME))
-    except ControlPolicyError as error:
-        raise PolicyError(error.field, str(error).split(": ", 1)[1]) from None
+    return parse_control(data, {k.name: k for k in space}, set(KNOB_BY_NAME))  # a ControlPolicyError is a PolicyError
 
 
 def parse_policy(data: Any, source: str = "<dict>") -> Policy:
@@ -271,4 +324,4 @@ def load_policy(path: str | Path | None = None) -> Policy:
     try:
         return parse_policy(data, source=str(path))
     except PolicyError as error:
-        raise PolicyError(f"{path}: {error.field}", str(error).split(": ", 1)[1]) from None
+        raise PolicyError(f"{path}: {error.field}", error.message) from None

@@ -34,6 +34,7 @@ class PolicyError(ValueError):
     def __init__(self, field_path: str, message: str) -> None:
         super().__init__(f"{field_path}: {message}")
         self.field = field_path
+        self.message = message
 
 
 class At(ValueError):
@@ -63,6 +64,10 @@ def _seconds_or_zero(value: Any) -> float:
     return parse_duration(0 if value is None else value)
 
 
+def _seconds(value: Any) -> float:
+    return parse_duration(value)
+
+
 def _rate(value: Any) -> float | None:
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return None
@@ -77,7 +82,8 @@ def _rate(value: Any) -> float | None:
 
 PositiveSeconds = Annotated[float, PlainValidator(_positive_seconds)]
 OptionalPositiveSeconds = Annotated[float | None, PlainValidator(_optional_positive_seconds)]
-Seconds = Annotated[float, PlainValidator(_seconds_or_zero)]
+Seconds = Annotated[float, PlainValidator(_seconds_or_zero)]  # None is 0
+Duration = Annotated[float, PlainValidator(_seconds)]  # a duration >= 0, required
 Rate = Annotated[float | None, PlainValidator(_rate)]
 
 
@@ -126,11 +132,13 @@ def _constraint(text: Any) -> tuple[str | float, str, str | float]:
 
 # ------------------------------------------------------------------------------------------------- models
 
-class _Doc(BaseModel):
+class Doc(BaseModel):
+    """A mapping of a policy document: unknown fields, values of another type and non-finite numbers are errors."""
+
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
-class KnobRangeDoc(_Doc):
+class KnobRangeDoc(Doc):
     """How one knob is searched: ``choices`` (a list is short for it), or ``low``..``high`` with ``log``/``step``.
     One subclass per knob (:data:`RANGE_MODELS`) types low, high, step and the choices as that knob."""
 
@@ -189,23 +197,23 @@ def _range_model(knob: Knob) -> type[KnobRangeDoc]:
 
 RANGE_MODELS: dict[str, type[KnobRangeDoc]] = {k.name: _range_model(k) for k in KNOBS}
 if TYPE_CHECKING:  # built at import time from the knob table: one optional entry per knob
-    SearchSpaceDoc = _Doc
-    FixedDoc = _Doc
+    SearchSpaceDoc = Doc
+    FixedDoc = Doc
 else:
     SearchSpaceDoc = create_model(
-        "SearchSpaceDoc", __base__=_Doc, **{k.name: (RANGE_MODELS[k.name] | None, None) for k in KNOBS})
+        "SearchSpaceDoc", __base__=Doc, **{k.name: (RANGE_MODELS[k.name] | None, None) for k in KNOBS})
     FixedDoc = create_model(
-        "FixedDoc", __base__=_Doc,
+        "FixedDoc", __base__=Doc,
         **{k.name: (Annotated[Any, PlainValidator(_knob_value(k, allow_none=k.optional))], None) for k in KNOBS})
 
 
-class SLODoc(_Doc):
+class SLODoc(Doc):
     tbt_p99: PositiveSeconds
     ttft_p99: OptionalPositiveSeconds = None
     e2e_p99: OptionalPositiveSeconds = None
 
 
-class WorkloadDoc(_Doc):
+class WorkloadDoc(Doc):
     name: str = Field("mixed", min_length=1)
     length_scale: float = Field(1.0, gt=0)
     mix: str | None = None
@@ -216,32 +224,32 @@ class WorkloadDoc(_Doc):
     output_scale: float | None = Field(None, gt=0)  # output lengths' own scale (None: length_scale scales them)
 
 
-class MeasurementDoc(_Doc):
+class MeasurementDoc(Doc):
     level: float = Field(0.95, gt=0.5, lt=1.0)
     min_gaps: int = Field(400, ge=1)
     cap: PositiveSeconds = 60.0
 
 
-class CapacityDoc(_Doc):
+class CapacityDoc(Doc):
     resolution: float = Field(0.15, gt=0)
     max_probes: int = Field(6, ge=1)
     start_rate: float = Field(1.0, gt=0)
 
 
-class VerdictDoc(_Doc):
+class VerdictDoc(Doc):
     candidates: int = Field(2, ge=1)
     max_rounds: int = Field(4, ge=2)
     budget: PositiveSeconds = 300.0
 
 
-class PruningDoc(_Doc):
+class PruningDoc(Doc):
     enabled: bool = True
     min_gaps: int = Field(100, ge=1)
     violation_share: float = Field(0.05, ge=0.01, le=1.0)
     min_elapsed: float = Field(0.3, ge=0.0, le=1.0)
 
 
-class PolicyDoc(_Doc):
+class PolicyDoc(Doc):
     slo: SLODoc
     search_space: SearchSpaceDoc
     fixed: FixedDoc
@@ -260,7 +268,7 @@ class PolicyDoc(_Doc):
     capacity: CapacityDoc = CapacityDoc()
     verdict: VerdictDoc = VerdictDoc()
     time_budget: PositiveSeconds = 840.0  # capacity objective: the whole run; the engine's searches stop in time
-    # the controller's sections, validated by policies.control
+    # the controller's sections, validated by policies.control (against the validated search space)
     guardrails: Any = None
     triggers: Any = None
     canary: Any = None
@@ -315,14 +323,18 @@ _PHRASES: dict[str, Callable[[dict[str, Any], Any], str]] = {
 }
 
 
-def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+def _model_at(loc: tuple[int | str, ...], root: type[BaseModel]) -> type[BaseModel] | None:
     """The model whose fields `loc` names (for the list of known fields), or None."""
-    model: type[BaseModel] = PolicyDoc
-    for part in loc:
-        field = model.model_fields.get(str(part))
+    model, parts = root, list(loc)
+    while parts:
+        field = model.model_fields.get(str(parts.pop(0)))
         if field is None:
             return None
-        inner = [a for a in (field.annotation, *typing.get_args(field.annotation))
+        annotation = field.annotation
+        if typing.get_origin(annotation) is dict and parts:  # a mapping of models by name: the next part is a name
+            annotation = typing.get_args(annotation)[1]
+            parts.pop(0)
+        inner = [a for a in (annotation, *typing.get_args(annotation))
                  if isinstance(a, type) and issubclass(a, BaseModel)]
         if not inner:
             return None
@@ -335,15 +347,15 @@ def _path(loc: tuple[int | str, ...], sub: str = "") -> str:
     return ".".join(p for p in (text, sub) if p) or "policy"
 
 
-def _policy_error(error: ErrorDetails) -> PolicyError:
+def _policy_error(error: ErrorDetails, root: type[BaseModel]) -> PolicyError:
     loc, kind, ctx = tuple(error["loc"]), error["type"], error.get("ctx") or {}
     cause = ctx.get("error")
     if isinstance(cause, At):
         return PolicyError(_path(loc, cause.sub), str(cause))
     if kind == "extra_forbidden":
-        if loc[:1] in (("search_space",), ("fixed",)):
+        if root is PolicyDoc and loc[:1] in (("search_space",), ("fixed",)):
             return PolicyError(_path(loc), f"unknown knob; knobs: {', '.join(KNOB_NAMES)}")
-        model = _model_at(loc[:-1])
+        model = _model_at(loc[:-1], root)
         known = f"; known: {', '.join(model.model_fields)}" if model is not None else ""
         return PolicyError(_path(loc), f"unknown field{known}")
     if cause is not None:
@@ -352,13 +364,22 @@ def _policy_error(error: ErrorDetails) -> PolicyError:
     return PolicyError(_path(loc), phrase(ctx, error.get("input")) if phrase else error["msg"])
 
 
+M = typing.TypeVar("M", bound=BaseModel)
+
+
+def validate_as(model: type[M], data: Any, context: dict[str, Any] | None = None) -> M:
+    """``data`` validated as ``model`` (``context``: what its validators may read); the first error raised as a
+    PolicyError naming its field."""
+    try:
+        return model.model_validate(data, context=context)
+    except ValidationError as error:
+        raise _policy_error(error.errors()[0], model) from None
+
+
 def validate_document(data: Any) -> PolicyDoc:
     """The validated document; the first error raised as a PolicyError naming its field."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise PolicyError("policy", f"must be a mapping, got {type(data).__name__}")
-    try:
-        return PolicyDoc.model_validate(data)
-    except ValidationError as error:
-        raise _policy_error(error.errors()[0]) from None
+    return validate_as(PolicyDoc, data)

@@ -15,7 +15,7 @@ import yaml
 
 from loadtest.summary import SLO
 from policies import PolicyError, load_policy, parse_policy
-from policies.control import Canary
+from policies.control import Canary, ControlSpec
 from tuner.control.canary import judge
 from tuner.control.decision_log import DecisionLog, read_log, resume
 from tuner.control.guardrails import changed, cooldown_left, move_policy, project, within
@@ -67,6 +67,88 @@ def test_contradictory_or_bad_controller_fields_name_the_field(sections: dict[st
     with pytest.raises(PolicyError) as error:
         policy_with(**sections)
     assert error.value.field == field, str(error.value)
+
+
+@pytest.mark.parametrize("sections, field, words", [
+    ({"guardrails": 3}, "guardrails", "mapping"),
+    ({"canary": ["min_requests"]}, "canary", "mapping"),
+    ({"guardrails": {"bounds": {5: {"low": 1, "high": 2}}}}, "guardrails.bounds.5", "strings"),
+    ({"guardrails": {"bounds": {"max_num_seqs": {"low": 2}}}}, "guardrails.bounds.max_num_seqs.high", "required"),
+    ({"guardrails": {"bounds": {"max_num_seqs": {"low": 2, "high": 8, "mid": 4}}}},
+     "guardrails.bounds.max_num_seqs.mid", "unknown field"),
+    ({"guardrails": {"bounds": {"max_num_seqs": {"low": -1, "high": 8}}}}, "guardrails.bounds.max_num_seqs.low",
+     ">= 0"),
+    ({"guardrails": {"bounds": {"max_num_seqs": {"low": "two", "high": 8}}}}, "guardrails.bounds.max_num_seqs.low",
+     "number"),
+    ({"guardrails": {"bounds": {"block_size": {"low": 9, "high": 15}}}}, "guardrails.bounds.block_size",
+     "leaves no value"),
+    ({"guardrails": {"bounds": "max_num_seqs"}}, "guardrails.bounds", "mapping"),
+    ({"guardrails": {"frozen": "block_size"}}, "guardrails.frozen", "list"),
+    ({"guardrails": {"frozen": ["block_size", "blocks"]}}, "guardrails.frozen[1]", "unknown knob"),
+    ({"guardrails": {"max_change": {"max_seqs": 2}}}, "guardrails.max_change.max_seqs", "unknown knob"),
+    ({"guardrails": {"max_change": {"max_num_seqs": 1}}}, "guardrails.max_change.max_num_seqs", "> 1"),
+    ({"guardrails": {"max_change": {"max_num_seqs": float("inf")}}}, "guardrails.max_change.max_num_seqs", "finite"),
+    ({"guardrails": {"max_change": {"max_num_seqs": True}}}, "guardrails.max_change.max_num_seqs", "number"),
+    ({"guardrails": {"default_max_change": 0.9}}, "guardrails.default_max_change", "> 1"),
+    ({"guardrails": {"cooldown": "soon"}}, "guardrails.cooldown", "not a duration"),
+    ({"guardrails": {"cooldown": -5}}, "guardrails.cooldown", "not a duration"),
+    ({"guardrails": {"cool_down": "5s"}}, "guardrails.cool_down", "unknown field"),
+    ({"triggers": {"attainment_target": 0}}, "triggers.attainment_target", "> 0"),
+    ({"triggers": {"window": "0s"}}, "triggers.window", "> 0"),
+    ({"triggers": {"min_requests": 0}}, "triggers.min_requests", ">= 1"),
+    ({"triggers": {"min_requests": 2.5}}, "triggers.min_requests", "integer"),
+    ({"triggers": {"drift_threshold": 0}}, "triggers.drift_threshold", "> 0"),
+    ({"triggers": {"drift_window": "later"}}, "triggers.drift_window", "not a duration"),
+    ({"triggers": {"schedule": "0s"}}, "triggers.schedule", "> 0"),
+    ({"canary": {"min_requests": 0}}, "canary.min_requests", ">= 1"),
+    ({"canary": {"min_window": 0}}, "canary.min_window", "> 0"),
+    ({"canary": {"max_window": "never"}}, "canary.max_window", "not a duration"),
+    ({"canary": {"lease_margin": 0}}, "canary.lease_margin", "> 0"),
+    ({"canary": {"rollback_drop": 1.5}}, "canary.rollback_drop", "<= 1"),
+    ({"canary": {"rollback_drop": -0.1}}, "canary.rollback_drop", ">= 0"),
+    ({"canary": {"window": "1m"}}, "canary.window", "unknown field"),
+    ({"retune": {"headroom": 0.5}}, "retune.headroom", ">= 1"),
+    ({"retune": {"candidates": 4.5}}, "retune.candidates", "integer"),
+    ({"retune": {"sim_duration": 0}}, "retune.sim_duration", "> 0"),
+    ({"retune": {"step_history": "long"}}, "retune.step_history", "not a duration"),
+    ({"retune": {"budget": 3}}, "retune.budget", "unknown field"),
+])
+def test_every_controller_check_names_its_field(sections: dict[str, Any], field: str, words: str) -> None:
+    with pytest.raises(PolicyError) as error:
+        policy_with(**sections)
+    assert error.value.field == field, str(error.value)
+    assert words in str(error.value), str(error.value)
+
+
+def test_controller_sections_parse_to_their_values() -> None:
+    control = policy_with(
+        guardrails={"bounds": {"max_num_seqs": {"low": 2, "high": 12}}, "max_change": {"chunk_size": 4},
+                    "default_max_change": 1.5, "frozen": ["block_size"], "cooldown": "1m30s"},
+        triggers={"attainment_target": 0.95, "window": "2m", "min_requests": 10, "drift_threshold": 0.5,
+                  "drift_window": "45s", "schedule": "1h"},
+        canary={"min_requests": 12, "min_window": "15s", "max_window": "90s", "lease_margin": "10s",
+                "rollback_drop": 0.2},
+        retune={"candidates": 16, "headroom": 1.5, "sim_duration": "20s", "step_history": "10m"}).control
+    g = control.guardrails
+    assert g.bounds == {"max_num_seqs": (2.0, 12.0)} and g.max_change == {"chunk_size": 4.0}
+    assert g.change_limit("chunk_size") == 4.0 and g.change_limit("max_num_seqs") == 1.5
+    assert g.frozen == ("block_size",) and g.cooldown == 90.0
+    t = control.triggers
+    assert (t.attainment_target, t.window, t.min_requests, t.drift_threshold, t.drift_window, t.schedule) == \
+        (0.95, 120.0, 10, 0.5, 45.0, 3600.0)
+    c = control.canary
+    assert (c.min_requests, c.min_window, c.max_window, c.lease_margin, c.rollback_drop, c.lease_s) == \
+        (12, 15.0, 90.0, 10.0, 0.2, 100.0)
+    r = control.retune
+    assert (r.candidates, r.headroom, r.sim_duration, r.step_history) == (16, 1.5, 20.0, 600.0)
+    assert isinstance(t.min_requests, int) and isinstance(r.candidates, int)
+
+
+def test_empty_controller_sections_are_the_defaults() -> None:
+    empty = policy_with(guardrails=None, triggers={}, canary=None, retune={}).control
+    assert empty == ControlSpec()
+    assert empty.guardrails.bounds == {} and empty.guardrails.frozen == () and empty.triggers.schedule is None
+    assert empty.guardrails.cooldown == 60.0 and empty.canary.lease_s == 150.0 and empty.retune.candidates == 48
 
 
 # Statistics --------------------------------------------------------------------------------------------------------

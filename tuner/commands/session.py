@@ -239,39 +239,13 @@ class TuneSession:
         default = default_trial(study)
         title = f"tune: {self.study_name}"
         lines = [f"SLO {self.slo_text()}; workload {p.workload.name} (length x{p.workload.length_scale:g}) at "
-                 f"{rate:.3g} req/s; rate: {rate_reason}"]
-        screened = ""
-        if getattr(self.args, "screen", None):
-            from tuner.search.screening import screen_report  # see TuneSession.screen
-
-            screened = screen_report(study)
-        if screened:
-            say(f"{PROG}: screened configs, simulator's prediction against the engine's measurement:\n{screened}")
-            lines.append("Screened configs, predicted / measured:\n" + screened)
+                 f"{rate:.3g} req/s; rate: {rate_reason}"] + self.screened_lines(study)
         if best is None:
-            closest = closest_trial(study)
-            write_report(report, study, p.slo.as_dict(), title, lines + ["No config met the SLO."])
-            n = sum(t.state != TrialState.WAITING for t in study.get_trials(deepcopy=False))
-            msg = f"{PROG}: no config met the SLO ({self.slo_text()}) in {n} trial{'s' * (n != 1)} at {rate:.3g} req/s."
-            if closest is not None:
-                msg += (f"\n  closest (infeasible): trial #{closest.number} "
-                        f"{short_knobs(closest.user_attrs.get('knobs', {}))}: {closest.user_attrs.get('reason')}")
-            msg += (f"\n  try a looser target, a lower --rate, or more --trials; report: {report}")
-            print(msg, file=sys.stderr)
-            return 1
+            return self.none_met(study, report, title, lines, rate)
         knobs = dict(best.user_attrs["knobs"])
         say(f"{PROG}: best: trial #{best.number} {short_knobs(knobs)}: {p.objective} {best.values[0]:.2f} req/s"
             + (f" vs default {default.values[0]:.2f}" if default is not None else ""))
-        # re-measure the winner (and, with --apply, leave it applied)
-        say(f"{PROG}: re-measuring the tuned config{' and applying it' if self.args.apply else ''} ...")
-        # at the rate the winner was measured at (capacity: its highest attaining rate)
-        confirm = runner.run(knobs, self.trials_dir / "remeasure", rate=best.user_attrs.get("rate") or rate)
-        say(f"  re-measured: {self.describe(confirm)}")
-        if self.args.apply:
-            assert self.handle is not None
-            applied = self.handle.patch_config(knobs)
-            self.applied = True
-            say(f"{PROG}: applied to {self.handle.url}: {short_knobs(applied)}")
+        confirm = self.remeasure(runner, knobs, best.user_attrs.get("rate") or rate)
         vllm_path = self.out.with_suffix(".vllm.txt")
         vllm = write_vllm(vllm_path, knobs, model)
         write_tuned_yaml(self.out, knobs=knobs, slo=p.slo.as_dict(), workload=p.workload.as_dict(), rate=rate,
@@ -279,7 +253,6 @@ class TuneSession:
                          storage=str(getattr(self.storage, "url", type(self.storage).__name__)), tuned=best,
                          default=default, remeasured=confirm.summary, vllm=vllm, report=report,
                          trials=len(study.trials))
-        d = default.user_attrs.get("summary", {}) if default is not None else {}
         lines += [f"tuned (trial #{best.number}): {short_knobs(knobs)}: {self.describe(_as_outcome(best))}",
                   f"tuned, re-measured: {self.describe(confirm)}"]
         if default is not None:
@@ -287,14 +260,59 @@ class TuneSession:
         write_report(report, study, p.slo.as_dict(), title, lines)
         say(f"{PROG}: wrote {self.out} (serve it: slotune serve --config {self.out}), {report}, {vllm_path}")
         say(f"  vLLM: {vllm.replace(chr(92) + chr(10) + '    ', '')}")
-        if d:
-            ratio = best.values[0] / default.values[0] if default is not None and default.values[0] > 0 else None
-            say(f"  {p.objective} tuned {best.values[0]:.2f} req/s vs default {default.values[0]:.2f} req/s"  # type: ignore
-                + (f" ({ratio:.2f}x)" if ratio else "") + f"; p99 TBT tuned "
-                f"{format_duration(best.user_attrs['summary'].get('tbt_p99'))} vs default "
-                f"{format_duration(d.get('tbt_p99'))}")
+        if default is not None:
+            self.say_against_default(best, default)
         say(f"{PROG}: done in {format_duration(time.monotonic() - self.started)}")
         return 0
+
+    def screened_lines(self, study: optuna.Study) -> list[str]:
+        """With --screen: the screened configs' predictions against the engine's measurements, said and returned
+        for the report."""
+        if not getattr(self.args, "screen", None):
+            return []
+        from tuner.search.screening import screen_report  # see TuneSession.screen
+
+        screened = screen_report(study)
+        if not screened:
+            return []
+        say(f"{PROG}: screened configs, simulator's prediction against the engine's measurement:\n{screened}")
+        return ["Screened configs, predicted / measured:\n" + screened]
+
+    def none_met(self, study: optuna.Study, report: Path, title: str, lines: list[str], rate: float) -> int:
+        """No config met the SLO: the report, and the closest trial and what to try, on stderr."""
+        closest = closest_trial(study)
+        write_report(report, study, self.policy.slo.as_dict(), title, lines + ["No config met the SLO."])
+        n = sum(t.state != TrialState.WAITING for t in study.get_trials(deepcopy=False))
+        msg = f"{PROG}: no config met the SLO ({self.slo_text()}) in {n} trial{'s' * (n != 1)} at {rate:.3g} req/s."
+        if closest is not None:
+            msg += (f"\n  closest (infeasible): trial #{closest.number} "
+                    f"{short_knobs(closest.user_attrs.get('knobs', {}))}: {closest.user_attrs.get('reason')}")
+        msg += (f"\n  try a looser target, a lower --rate, or more --trials; report: {report}")
+        print(msg, file=sys.stderr)
+        return 1
+
+    def remeasure(self, runner: TrialRunner, knobs: dict[str, Any], rate: float) -> TrialOutcome:
+        """The winner measured again at ``rate`` (the rate it was measured at; capacity: its highest attaining
+        rate); with --apply it is left applied."""
+        say(f"{PROG}: re-measuring the tuned config{' and applying it' if self.args.apply else ''} ...")
+        confirm = runner.run(knobs, self.trials_dir / "remeasure", rate=rate)
+        say(f"  re-measured: {self.describe(confirm)}")
+        if self.args.apply:
+            assert self.handle is not None
+            applied = self.handle.patch_config(knobs)
+            self.applied = True
+            say(f"{PROG}: applied to {self.handle.url}: {short_knobs(applied)}")
+        return confirm
+
+    def say_against_default(self, best: optuna.trial.FrozenTrial, default: optuna.trial.FrozenTrial) -> None:
+        d = default.user_attrs.get("summary", {})
+        if not d:
+            return
+        ratio = best.values[0] / default.values[0] if default.values[0] > 0 else None
+        say(f"  {self.policy.objective} tuned {best.values[0]:.2f} req/s vs default {default.values[0]:.2f} req/s"
+            + (f" ({ratio:.2f}x)" if ratio else "") + f"; p99 TBT tuned "
+            f"{format_duration(best.user_attrs['summary'].get('tbt_p99'))} vs default "
+            f"{format_duration(d.get('tbt_p99'))}")
 
 
 def _as_outcome(t: optuna.trial.FrozenTrial) -> TrialOutcome:

@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from engine.knobs import KNOB_BY_NAME
-from policies import KnobRange, Policy
+from policies import Choices, KnobRange, Policy
 from policies.control import Guardrails
 
 
@@ -24,14 +24,14 @@ def _narrow(k: KnobRange, current: Any, guard: Guardrails) -> KnobRange | None:
     low_b, high_b = guard.bounds.get(k.name, (-math.inf, math.inf))
     numeric = KNOB_BY_NAME[k.name].type in (int, float) and isinstance(current, (int, float))
     lo_w, hi_w = _window(float(current), guard.change_limit(k.name)) if numeric else (-math.inf, math.inf)
-    if k.choices is not None:
-        allowed = tuple(v for v in k.choices if not isinstance(v, (int, float)) or isinstance(v, bool)
+    d = k.domain
+    if isinstance(d, Choices):
+        allowed = tuple(v for v in d.values if not isinstance(v, (int, float)) or isinstance(v, bool)
                         or (low_b <= v <= high_b and lo_w - 1e-9 <= v <= hi_w + 1e-9))
         return KnobRange(k.name, choices=allowed) if len(allowed) > 1 or (allowed and allowed[0] != current) \
             else None
-    assert k.low is not None and k.high is not None
     kind = KNOB_BY_NAME[k.name].type
-    low, high = max(float(k.low), low_b, lo_w), min(float(k.high), high_b, hi_w)
+    low, high = max(float(d.low), low_b, lo_w), min(float(d.high), high_b, hi_w)
     if low > high:  # the applied value lies outside the space: one step toward it, as far as the limit allows
         target = lo_w if float(current) > high else hi_w
         low = high = target
@@ -42,7 +42,7 @@ def _narrow(k: KnobRange, current: Any, guard: Guardrails) -> KnobRange | None:
     if low == high == current:
         return None
     # log stays log; a step no longer fits a moved low, so the narrowed range is plain
-    return KnobRange(k.name, low=kind(low), high=kind(high), log=k.log and low > 0)
+    return KnobRange(k.name, low=kind(low), high=kind(high), log=d.log and low > 0)
 
 
 def move_policy(policy: Policy, current: dict[str, Any], resolved: dict[str, Any] | None = None) -> Policy:
@@ -68,18 +68,17 @@ def project(knobs: dict[str, Any], moved: Policy) -> dict[str, Any]:
     range (the nearest choice), the fixed ones set, constraints repaired."""
     out = dict(moved.fixed)
     for k in moved.search_space:
-        v = knobs.get(k.name)
-        if k.choices is not None:
-            numeric = [c for c in k.choices if isinstance(c, (int, float)) and not isinstance(c, bool)]
+        v, d = knobs.get(k.name), k.domain
+        if isinstance(d, Choices):
+            numeric = [c for c in d.values if isinstance(c, (int, float)) and not isinstance(c, bool)]
             if isinstance(v, (int, float)) and numeric:
                 out[k.name] = min(numeric, key=lambda c: abs(math.log(max(c, 1e-9) / max(float(v), 1e-9))))
             else:
-                out[k.name] = v if v in k.choices else k.choices[0]
+                out[k.name] = v if v in d.values else d.values[0]
         elif isinstance(v, (int, float)):
-            assert k.low is not None and k.high is not None
-            out[k.name] = KNOB_BY_NAME[k.name].type(min(max(v, k.low), k.high))
+            out[k.name] = KNOB_BY_NAME[k.name].type(min(max(v, d.low), d.high))
         else:
-            out[k.name] = k.low
+            out[k.name] = d.low
     return moved.repair(out)
 
 

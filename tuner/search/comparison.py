@@ -19,11 +19,11 @@ import math
 import statistics
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import optuna
 
-from policies import Policy
+from policies import Choices, IntRange, Policy
 from tuner.search.objective import goodput, slo_constraints, suggest_knobs
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.search.structured_start import enqueue_start
@@ -44,14 +44,13 @@ def key(knobs: dict[str, Any]) -> str:
 
 
 def space_configs(policy: Policy) -> list[dict[str, Any]]:
-    """Every config of the policy's space (integer ranges stepped by one), constraints repaired, deduplicated."""
+    """Every config of the policy's space (integer ranges at each step, by one when they have none; a float range
+    needs a step), constraints repaired, deduplicated."""
     axes = []
     for k in policy.search_space:
-        if k.choices is not None:
-            axes.append([(k.name, v) for v in k.choices])
-        else:
-            step = int(k.step or 1)
-            axes.append([(k.name, v) for v in range(int(k.low), int(k.high) + 1, step)])  # type: ignore[arg-type]
+        d = k.domain
+        values = d.values if isinstance(d, Choices) else d.values() if isinstance(d, IntRange) else k.grid_values()
+        axes.append([(k.name, v) for v in values])
     out: dict[str, dict[str, Any]] = {}
     for combo in itertools.product(*axes):
         knobs = policy.repair({**policy.fixed, **dict(combo)})
@@ -59,7 +58,7 @@ def space_configs(policy: Policy) -> list[dict[str, Any]]:
     return list(out.values())
 
 
-def evaluate_space(policy: Policy, runner: SimTrialRunner, extra: list[dict[str, Any]] = (),  # type: ignore
+def evaluate_space(policy: Policy, runner: SimTrialRunner, extra: Sequence[dict[str, Any]] = (),
                    progress: Callable[[int, int], None] | None = None) -> dict[str, Point]:
     """Simulate every config of the space (and ``extra`` ones, e.g. the grid's) once."""
     configs = space_configs(policy) + list(extra)

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import optuna
 
 from loadtest.summary import SLO
-from policies import Policy
+from policies import Choices, IntRange, Policy
 from tuner.measure.capacity import Capacity, CapacitySearcher
 from tuner.trials.trial_backend import TrialBackend
 from tuner.trials.trial_runner import TrialOutcome, TrialRunner
@@ -25,15 +25,15 @@ def suggest_knobs(trial: optuna.Trial, policy: Policy) -> dict[str, Any]:
     """The searched knobs sampled from the policy's space, the fixed ones added, constraints repaired."""
     knobs: dict[str, Any] = dict(policy.fixed)
     for k in policy.search_space:
-        if policy.sampler == "grid" or k.choices is not None:
-            knobs[k.name] = trial.suggest_categorical(k.name, k.grid_values() if policy.sampler == "grid"
-                                                      else list(k.choices))  # type: ignore[arg-type]
-        elif k.kind is int:
-            knobs[k.name] = trial.suggest_int(k.name, int(k.low), int(k.high), log=k.log,  # type: ignore[arg-type]
-                                              step=int(k.step or 1))
+        d = k.domain
+        if policy.sampler == "grid":
+            knobs[k.name] = trial.suggest_categorical(k.name, k.grid_values())
+        elif isinstance(d, Choices):
+            knobs[k.name] = trial.suggest_categorical(k.name, list(d.values))
+        elif isinstance(d, IntRange):
+            knobs[k.name] = trial.suggest_int(k.name, d.low, d.high, log=d.log, step=d.step or 1)
         else:
-            knobs[k.name] = trial.suggest_float(k.name, float(k.low), float(k.high), log=k.log,  # type: ignore
-                                                step=k.step)
+            knobs[k.name] = trial.suggest_float(k.name, d.low, d.high, log=d.log, step=d.step)
     return policy.repair(knobs)
 
 

@@ -23,10 +23,16 @@ def _is_default(trial: FrozenTrial) -> bool:
     return trial.user_attrs.get("role") == ROLE_DEFAULT and not trial.params
 
 
-class StudyWithoutDefaultTrial:
-    """The study as a sampler reads it, minus the default-config trial; everything else is the study's own."""
+class StudyWithoutDefaultTrial(optuna.Study):
+    """The study as a sampler reads it, minus the default-config trial; everything else is the study's own.
 
-    def __init__(self, study: optuna.Study) -> None:
+    A Study, so that it is what a sampler's methods take. It does not run ``Study.__init__`` (that would look the
+    study up in its storage again at every sample): every attribute it does not have (the storage, the study's id,
+    directions, thread-local trial cache) is the wrapped study's, and Study's own methods and properties
+    (``trials``, ``get_trials``, ``best_trials``) read the trials through the filtered ``_get_trials``.
+    """
+
+    def __init__(self, study: optuna.Study) -> None:  # no super().__init__(): see the class's docstring
         self._study = study
 
     def __getattr__(self, name: str) -> Any:
@@ -37,13 +43,6 @@ class StudyWithoutDefaultTrial:
         trials = self._study._get_trials(deepcopy=deepcopy, states=states, use_cache=use_cache)
         return [t for t in trials if not _is_default(t)]
 
-    def get_trials(self, deepcopy: bool = True, states: Container[TrialState] | None = None) -> list[FrozenTrial]:
-        return [t for t in self._study.get_trials(deepcopy=deepcopy, states=states) if not _is_default(t)]
-
-    @property
-    def trials(self) -> list[FrozenTrial]:
-        return self.get_trials()
-
 
 class SamplerWithoutDefaultTrial(optuna.samplers.BaseSampler):
     """`base`, fed a study view without the default-config trial (see the module's docstring)."""
@@ -52,23 +51,22 @@ class SamplerWithoutDefaultTrial(optuna.samplers.BaseSampler):
         self.base = base
 
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
-        return self.base.infer_relative_search_space(StudyWithoutDefaultTrial(study), trial)  # type: ignore[arg-type]
+        return self.base.infer_relative_search_space(StudyWithoutDefaultTrial(study), trial)
 
     def sample_relative(self, study: optuna.Study, trial: FrozenTrial,
                         search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
-        return self.base.sample_relative(StudyWithoutDefaultTrial(study), trial, search_space)  # type: ignore[arg-type]
+        return self.base.sample_relative(StudyWithoutDefaultTrial(study), trial, search_space)
 
     def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
                            param_distribution: BaseDistribution) -> Any:
-        return self.base.sample_independent(StudyWithoutDefaultTrial(study), trial,  # type: ignore[arg-type]
-                                            param_name, param_distribution)
+        return self.base.sample_independent(StudyWithoutDefaultTrial(study), trial, param_name, param_distribution)
 
     def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        self.base.before_trial(StudyWithoutDefaultTrial(study), trial)  # type: ignore[arg-type]
+        self.base.before_trial(StudyWithoutDefaultTrial(study), trial)
 
     def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState,
                     values: Sequence[float] | None) -> None:
-        self.base.after_trial(StudyWithoutDefaultTrial(study), trial, state, values)  # type: ignore[arg-type]
+        self.base.after_trial(StudyWithoutDefaultTrial(study), trial, state, values)
 
     def reseed_rng(self) -> None:
         self.base.reseed_rng()

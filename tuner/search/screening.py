@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import optuna
 
+from loadtest.summary import SLO
 from policies import Policy
 from tuner.search.objective import goodput, suggest_knobs
 from tuner.output import short_knobs
@@ -89,8 +90,9 @@ def sim_runner_like(runner: TrialRunner, profile: str | Path | None = None,
 
     model = model or load_profile(profile)
     model = (model.rescaled(measured) if measured else None) or model
+    assert isinstance(runner.slo, SLO)  # TrialRunner.__post_init__ made it one
     return SimTrialRunner(model, limits=limits_of(model), workload=runner.workload, rate=runner.rate,
-                          duration=runner.duration, warmup=runner.warmup, slo=runner.slo,  # type: ignore[arg-type]
+                          duration=runner.duration, warmup=runner.warmup, slo=runner.slo,
                           seed=runner.seed, base_knobs=dict(runner.base_knobs or {}))
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from policies import KnobRange, Policy
+from policies import Choices, IntRange, KnobRange, Policy
 from tuner.search.objective import meets_constraints
 
 ROLE_START = "start"  # a trial of the structured start (start_config)
@@ -42,44 +42,43 @@ STEP_KNOBS = ("max_num_batched_tokens", "chunk_size", "prefill_token_ratio")
 def _ordered_values(k: KnobRange) -> list[Any] | None:
     """Every value of a knob in increasing order: sorted numeric choices, each step of an int range; None for a
     float range or non-numeric choices."""
-    if k.choices is not None:
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in k.choices):
-            return sorted(k.choices)
+    d = k.domain
+    if isinstance(d, Choices):
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in d.values):
+            return sorted(d.values)
         return None
-    if k.kind is not int:
-        return None
-    return list(range(int(k.low), int(k.high) + 1, int(k.step or 1)))  # type: ignore[arg-type]
+    return d.values() if isinstance(d, IntRange) else None
 
 
 def _middle(k: KnobRange) -> Any:
     """The middle of a knob's range (geometric for a log range); the first listed of non-numeric choices."""
     values = _ordered_values(k)
-    if k.choices is not None:
-        return values[len(values) // 2] if values is not None else k.choices[0]
-    low, high = float(k.low), float(k.high)  # type: ignore[arg-type]
-    mid = math.sqrt(low * high) if k.log else (low + high) / 2
+    d = k.domain
+    if isinstance(d, Choices):
+        return values[len(values) // 2] if values is not None else d.values[0]
+    low, high = float(d.low), float(d.high)
+    mid = math.sqrt(low * high) if d.log else (low + high) / 2
     if values is not None:
-        return min(values, key=lambda v: abs((math.log(v) if k.log else v) - (math.log(mid) if k.log else mid)))
-    return mid if k.step is None else low + round((mid - low) / k.step) * k.step
+        return min(values, key=lambda v: abs((math.log(v) if d.log else v) - (math.log(mid) if d.log else mid)))
+    return mid if d.step is None else low + round((mid - low) / d.step) * d.step
 
 
 def _neighbour(k: KnobRange, value: Any, direction: int) -> Any:
     """The next larger (direction +1) or smaller (-1) value: the adjacent choice, or x2 / /2 on a log range, or a
     quarter of the range; None at the edge or for non-numeric choices."""
     values = _ordered_values(k)
-    if k.choices is not None:
+    d = k.domain
+    if isinstance(d, Choices):
         if values is None or value not in values:
             return None
         i = values.index(value) + direction
         return values[i] if 0 <= i < len(values) else None
-    low, high = k.low, k.high
-    assert low is not None and high is not None
-    if k.log:
+    if d.log:
         v = value * 2 if direction > 0 else value / 2
     else:
-        v = value + direction * max(k.step or 0, (high - low) / 4)
-    v = min(high, max(low, v))
-    if k.kind is int:
+        v = value + direction * max(d.step or 0, (d.high - d.low) / 4)
+    v = min(d.high, max(d.low, v))
+    if isinstance(d, IntRange):
         v = int(round(v))
     return None if v == value else v
 

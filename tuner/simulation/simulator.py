@@ -164,70 +164,126 @@ def simulate(requests: list[RequestSpec], config: EngineConfig, timer: StepTimer
     wall_start = time.perf_counter()
     t0 = options.t0 if options.t0 is not None else time.time()
     specs = sorted(requests, key=lambda r: (r.at, r.index))
-    sched = Scheduler(config, limits)
-    step_time = timer.bind(config.block_size, options.seed)
-    gap, req_lat, tok_lat = timer.gap_s, timer.request_latency_s, timer.token_latency_s
-    tokens = _Tokens(token_space or TokenSpace())
-    max_len = sched.max_model_len
-
-    n = len(specs)
-    arrivals = [s.at + req_lat for s in specs]
-    times: dict[Sequence, list[float]] = {}  # token times (virtual, at the engine) of each admitted request
-    seq_of: list[Sequence | None] = [None] * n
-    errors: dict[int, str] = {}  # index in specs -> error of a refused or abandoned request
-    deadlines: collections.deque[tuple[float, int]] = collections.deque()  # (no-first-token deadline, i)
-    end_time = (specs[-1].at if specs else 0.0) + options.drain_timeout
-    steps: list[tuple] = []
-    waiting, preempted = sched.waiting, sched.preempted
-    kv = sched.kv
+    run = _Run(specs, config, timer, limits, options, token_space or TokenSpace(), t0)
     t = 0.0
-    i = 0
-    step_index = 0
-    # Feature ranges seen, checked against the model's profiled ranges at the end (cheaper than per step).
-    max_pseqs = max_ptok = max_dec = max_ctx = max_seqs = max_swap = 0
-    min_seqs = min_ctx = 1 << 62
-
     while True:
-        # Requests that reached the engine by this step boundary (the engine loop adds them between steps).
-        while i < n and arrivals[i] <= t:
-            spec = specs[i]
-            if len(waiting) + 1 > options.max_waiting_requests:
-                errors[i] = f"HTTP 429: too many waiting requests ({len(waiting)})"
-            elif spec.prompt_len >= max_len or spec.prompt_len + spec.output_len > max_len:
-                errors[i] = (f"HTTP 400: {spec.prompt_len} prompt + {spec.output_len} output tokens exceed "
-                             f"max_model_len {max_len}")
-            else:
-                seq = Sequence(request_id=str(spec.index), prompt_token_ids=tokens.prompt(spec),
-                               params=SamplingParams(max_tokens=spec.output_len, ignore_eos=True),
-                               arrival_time=t0 + arrivals[i])
-                sched.add(seq)
-                seq_of[i] = seq
-                times[seq] = []
-                deadlines.append((spec.at + options.request_timeout, i))
-            i += 1
-        # Clients that gave up on a request that never produced a token: the engine aborts it.
-        while deadlines and deadlines[0][0] <= t:
-            _, j = deadlines.popleft()
-            given_up = seq_of[j]
-            if given_up is not None and not given_up.status.finished and not times[given_up]:
-                sched.abort(given_up.request_id)
-                errors[j] = f"timeout: nothing received for {options.request_timeout:g}s"
-        if t > end_time:
+        run.arrive(t)
+        run.give_up(t)
+        if t > run.end_time:
             break
-        if not sched.num_unfinished:
-            if i >= n:
-                break
-            t = max(t, arrivals[i])
+        done = run.step(t) if run.sched.num_unfinished else None
+        if done is not None:
+            t = done + run.gap
             continue
+        # Nothing can run until something arrives (the engine would spin on empty steps).
+        if run.next_arrival is None:
+            break
+        t = max(t, run.next_arrival)
+    out_of_range = timer.check_range(run.ranges.observed()) if run.steps else []
+    records = _records(specs, run.seq_of, run.times, run.errors, t0, timer.token_latency_s)
+    return SimResult(records=records, config=config, steps_raw=run.steps, t0=t0,
+                     wall_s=time.perf_counter() - wall_start, end_time=t, out_of_range=out_of_range)
 
+
+@dataclass(slots=True)
+class _FeatureRanges:
+    """The step-time model's inputs seen, checked against its profiled ranges at the end (cheaper than per step)."""
+
+    max_pseqs: int = 0
+    max_ptok: int = 0
+    max_dec: int = 0
+    max_ctx: int = 0
+    max_seqs: int = 0
+    max_swap: int = 0
+    min_seqs: int = 1 << 62
+    min_ctx: int = 1 << 62
+
+    def update(self, pseqs: int, ptok: int, dec: int, ctx: int, swapped: int) -> None:
+        nseq = pseqs + dec
+        if pseqs > self.max_pseqs:
+            self.max_pseqs = pseqs
+        if ptok > self.max_ptok:
+            self.max_ptok = ptok
+        if dec > self.max_dec:
+            self.max_dec = dec
+        if ctx > self.max_ctx:
+            self.max_ctx = ctx
+        if ctx < self.min_ctx:
+            self.min_ctx = ctx
+        if nseq > self.max_seqs:
+            self.max_seqs = nseq
+        if nseq < self.min_seqs:
+            self.min_seqs = nseq
+        if swapped > self.max_swap:
+            self.max_swap = swapped
+
+    def observed(self) -> dict[str, tuple[int, int]]:
+        return {"num_prefill_seqs": (0, self.max_pseqs), "num_prefill_tokens": (0, self.max_ptok),
+                "num_decode_tokens": (0, self.max_dec), "context_tokens": (self.min_ctx, self.max_ctx),
+                "num_seqs": (self.min_seqs, self.max_seqs), "num_swapped_blocks": (0, self.max_swap)}
+
+
+class _Run:
+    """One simulation's state: the engine's scheduler, the requests in arrival order, what became of each (its
+    sequence, its token times at the engine, or its error) and the step records."""
+
+    def __init__(self, specs: list[RequestSpec], config: EngineConfig, timer: StepTimer, limits: ModelLimits,
+                 options: SimOptions, token_space: TokenSpace, t0: float) -> None:
+        self.specs, self.options, self.t0 = specs, options, t0
+        self.sched = Scheduler(config, limits)
+        self.step_time = timer.bind(config.block_size, options.seed)
+        self.gap = timer.gap_s
+        self.tokens = _Tokens(token_space)
+        self.arrivals = [s.at + timer.request_latency_s for s in specs]
+        self.next = 0  # the next request to arrive
+        self.times: dict[Sequence, list[float]] = {}  # token times (virtual, at the engine) of each admitted request
+        self.seq_of: list[Sequence | None] = [None] * len(specs)
+        self.errors: dict[int, str] = {}  # index in specs -> error of a refused or abandoned request
+        self.deadlines: collections.deque[tuple[float, int]] = collections.deque()  # (no-first-token deadline, i)
+        self.end_time = (specs[-1].at if specs else 0.0) + options.drain_timeout
+        self.steps: list[tuple] = []
+        self.ranges = _FeatureRanges()
+
+    @property
+    def next_arrival(self) -> float | None:
+        return self.arrivals[self.next] if self.next < len(self.specs) else None
+
+    def arrive(self, t: float) -> None:
+        """Requests that reached the engine by this step boundary (the engine loop adds them between steps)."""
+        sched, options, max_len = self.sched, self.options, self.sched.max_model_len
+        while self.next < len(self.specs) and self.arrivals[self.next] <= t:
+            i, spec = self.next, self.specs[self.next]
+            if len(sched.waiting) + 1 > options.max_waiting_requests:
+                self.errors[i] = f"HTTP 429: too many waiting requests ({len(sched.waiting)})"
+            elif spec.prompt_len >= max_len or spec.prompt_len + spec.output_len > max_len:
+                self.errors[i] = (f"HTTP 400: {spec.prompt_len} prompt + {spec.output_len} output tokens exceed "
+                                  f"max_model_len {max_len}")
+            else:
+                seq = Sequence(request_id=str(spec.index), prompt_token_ids=self.tokens.prompt(spec),
+                               params=SamplingParams(max_tokens=spec.output_len, ignore_eos=True),
+                               arrival_time=self.t0 + self.arrivals[i])
+                sched.add(seq)
+                self.seq_of[i] = seq
+                self.times[seq] = []
+                self.deadlines.append((spec.at + options.request_timeout, i))
+            self.next += 1
+
+    def give_up(self, t: float) -> None:
+        """Clients that gave up on a request that never produced a token: the engine aborts it."""
+        while self.deadlines and self.deadlines[0][0] <= t:
+            _, j = self.deadlines.popleft()
+            given_up = self.seq_of[j]
+            if given_up is not None and not given_up.status.finished and not self.times[given_up]:
+                self.sched.abort(given_up.request_id)
+                self.errors[j] = f"timeout: nothing received for {self.options.request_timeout:g}s"
+
+    def step(self, t: float) -> float | None:
+        """One engine step from ``t``: when it ends, or None when nothing could run."""
+        sched = self.sched
         out = sched.schedule()
         scheduled = out.scheduled
         if not scheduled and not out.swap_out and not out.swap_in:
-            # Nothing can run until something arrives (the engine would spin on empty steps).
-            if i >= n:
-                break
-            t = max(t, arrivals[i])
-            continue
+            return None
         pseqs = ptok = dec = ctx = 0
         sampled: list[int | None] = []
         samplers: list[Sequence] = []
@@ -246,41 +302,17 @@ def simulate(requests: list[RequestSpec], config: EngineConfig, timer: StepTimer
             else:
                 sampled.append(None)
         swapped = len(out.swap_out) + len(out.swap_in)
-        duration = step_time(pseqs, ptok, dec, ctx, swapped)
+        duration = self.step_time(pseqs, ptok, dec, ctx, swapped)
         sched.postprocess(out, sampled)
         done = t + duration
         for seq in samplers:
-            times[seq].append(done)
-        steps.append((step_index, t0 + t, duration, pseqs, ptok, dec, sched.num_running, len(waiting),
-                      len(preempted), kv.num_used_blocks, kv.num_free_blocks, out.num_preemptions,
-                      out.prefix_hit_tokens, ctx, swapped))
-        step_index += 1
-        nseq = pseqs + dec
-        if pseqs > max_pseqs:
-            max_pseqs = pseqs
-        if ptok > max_ptok:
-            max_ptok = ptok
-        if dec > max_dec:
-            max_dec = dec
-        if ctx > max_ctx:
-            max_ctx = ctx
-        if ctx < min_ctx:
-            min_ctx = ctx
-        if nseq > max_seqs:
-            max_seqs = nseq
-        if nseq < min_seqs:
-            min_seqs = nseq
-        if swapped > max_swap:
-            max_swap = swapped
-        t = done + gap
-
-    out_of_range = timer.check_range({
-        "num_prefill_seqs": (0, max_pseqs), "num_prefill_tokens": (0, max_ptok), "num_decode_tokens": (0, max_dec),
-        "context_tokens": (min_ctx, max_ctx), "num_seqs": (min_seqs, max_seqs),
-        "num_swapped_blocks": (0, max_swap)}) if steps else []
-    records = _records(specs, seq_of, times, errors, t0, tok_lat)
-    return SimResult(records=records, config=config, steps_raw=steps, t0=t0,
-                     wall_s=time.perf_counter() - wall_start, end_time=t, out_of_range=out_of_range)
+            self.times[seq].append(done)
+        kv = sched.kv
+        self.steps.append((len(self.steps), self.t0 + t, duration, pseqs, ptok, dec, sched.num_running,
+                           len(sched.waiting), len(sched.preempted), kv.num_used_blocks, kv.num_free_blocks,
+                           out.num_preemptions, out.prefix_hit_tokens, ctx, swapped))
+        self.ranges.update(pseqs, ptok, dec, ctx, swapped)
+        return done
 
 
 def _records(specs: list[RequestSpec], seq_of: list[Sequence | None], times: dict[Sequence, list[float]],

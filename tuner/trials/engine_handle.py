@@ -148,6 +148,10 @@ class EngineHandle:
         return False
 
 
+def _new_log_file() -> str:
+    return tempfile.NamedTemporaryFile(prefix="slotune-tune-engine-", suffix=".log", delete=False).name
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -160,7 +164,7 @@ class ManagedEngine:
 
     model: str | None = None
     knobs: dict[str, Any] = field(default_factory=dict)
-    log_path: str | None = None
+    log_path: str = field(default_factory=_new_log_file)  # the engine's stdout and stderr (default: a new temp file)
     extra_args: list[str] = field(default_factory=list)
     startup_timeout: float = STARTUP_TIMEOUT_S
 
@@ -169,9 +173,6 @@ class ManagedEngine:
         self.process: subprocess.Popen[bytes] | None = None
         self.handle: EngineHandle | None = None
         self.restarts = 0
-        if self.log_path is None:
-            self.log_path = tempfile.NamedTemporaryFile(prefix="slotune-tune-engine-", suffix=".log",
-                                                        delete=False).name
 
     def command(self, port: int) -> list[str]:
         cmd = [sys.executable, "-m", "slotune.cli", "serve", "--port", str(port), "--log-level", "warning",
@@ -186,7 +187,7 @@ class ManagedEngine:
     def start(self) -> EngineHandle:
         port = _free_port()
         env = {**os.environ, "SLOTUNE_ADMIN_TOKEN": self.token, "TOKENIZERS_PARALLELISM": "false"}
-        with open(self.log_path, "ab") as log:  # type: ignore[arg-type]
+        with open(self.log_path, "ab") as log:
             # the token goes by environment, not argv (other users can read argv)
             self.process = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT, env=env,
                                             stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
@@ -218,7 +219,7 @@ class ManagedEngine:
 
     def log_tail(self, lines: int = 15) -> str:
         try:
-            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])  # type: ignore
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
 

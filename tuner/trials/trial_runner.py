@@ -175,61 +175,28 @@ class TrialRunner:
              seed: int | None) -> TrialOutcome:
         check_stop()
         self._ensure_engine()
-        if not self.handle.wait_idle(self.idle_timeout):
-            return self._fail(knobs, out_dir, rate, f"the engine did not become idle within {self.idle_timeout:.0f}s")
-        # the step to read on from: taken while idle, before the config change and the reset (the window's steps
-        # are then picked by their start times)
-        first_step = int((self.handle.health() or {}).get("last_step", -1))
         try:
-            applied = self.handle.patch_config(knobs)
-        except ConfigRejected as error:
-            return self._fail(knobs, out_dir, rate, f"rejected by the engine: {error}")
-        except EngineError as error:
-            return self._fail(knobs, out_dir, rate, f"could not apply the knobs: {error}")
-        knobs = dict(applied)
-        try:  # every trial starts from the same state: no prefix block of an earlier trial survives
-            self.handle.reset_prefix_cache()
-        except EngineError as error:
-            return self._fail(knobs, out_dir, rate, f"could not reset the prefix cache: {error}")
+            knobs, first_step = self._apply(knobs)
+        except _NotMeasured as failed:
+            return self._fail(failed.knobs, out_dir, rate, failed.reason)
         cfg = self.load_config(rate, out_dir, seed)
         assert isinstance(self.slo, SLO)
         collector = StepCollector(self.handle, first_step, self.step_poll_s)
-        watcher = PruneWatcher(self.slo.tbt_p99, self.pruning, self.duration) \
-            if prune and self.pruning is not None and self.pruning.enabled and self.slo.tbt_p99 else None
-        stopped: dict[str, float] = {}
-        itl: dict[str, dict[float, float]] = {}
-
-        def progress(p: dict[str, Any]) -> None:
-            if self.on_progress is not None:
-                self.on_progress(p)
-            elapsed_s = float(p.get("elapsed_s", 0.0))
-            if "start" not in itl and elapsed_s >= self.warmup:
-                itl["start"] = self._itl_snapshot()  # the engine's inter-token histogram as the window opens
-            collector.poll()  # before the engine's ring buffer drops them
-            if STOP.is_set():
-                _stop_locust()  # tune is stopping: end the load test now
-                return
-            if watcher is None or stopped:
-                return
-            elapsed = float(p.get("elapsed_s", 0.0)) - self.warmup
-            if elapsed < 0:
-                return
-            if watcher.check(elapsed, itl_buckets(self.handle.metrics_text())):
-                stopped["at"] = float(p.get("elapsed_s", 0.0))
-                _stop_locust()
-
+        watch = _LoadWatch(self, collector, PruneWatcher(self.slo.tbt_p99, self.pruning, self.duration)
+                           if prune and self.pruning is not None and self.pruning.enabled and self.slo.tbt_p99
+                           else None)
         load_error = None
         try:
-            run_summary = run_loadtest(cfg, on_progress=progress, realtime=self.realtime, cpus=self.generator_cpus,
+            run_summary = run_loadtest(cfg, on_progress=watch, realtime=self.realtime, cpus=self.generator_cpus,
                                        timeout=60.0 + cfg.duration + self.drain_timeout + 30.0)
         except LoadTestError as error:
             load_error = str(error).splitlines()[0]
             run_summary = None
         if run_summary is not None and "interrupted" in run_summary.get("warnings", []):
             raise KeyboardInterrupt  # the runner stopped Locust on Ctrl-C; the study must stop too
-        run_ended = time.time()  # wall clock, as the step records' start times
+        watch.ended_at = time.time()  # wall clock, as the step records' start times
         check_stop()
-        itl["end"] = self._itl_snapshot()
+        itl_end = self._itl_snapshot()
         engine_note = None
         try:
             engine_note = self._ensure_engine()
@@ -240,27 +207,54 @@ class TrialRunner:
                               + (f"; load test: {load_error}" if load_error else ""))
         if run_summary is None:
             return self._fail(knobs, out_dir, rate, f"load test failed: {load_error}")
+        return self._measure(knobs, out_dir, rate, cfg, run_summary, watch, itl_end)
 
-        # the window: [warmup, warmup + duration) of the schedule, cut short when pruned
-        end = min(self.warmup + self.duration, stopped.get("at", float("inf")))
+    def _apply(self, knobs: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """Apply ``knobs`` to the idle engine from a cleared prefix cache; returns the knobs as applied and the
+        step to read the engine's step records on from. Raises _NotMeasured when it cannot."""
+        if not self.handle.wait_idle(self.idle_timeout):
+            raise _NotMeasured(knobs, f"the engine did not become idle within {self.idle_timeout:.0f}s")
+        # the step to read on from: taken while idle, before the config change and the reset (the window's steps
+        # are then picked by their start times)
+        first_step = int((self.handle.health() or {}).get("last_step", -1))
+        try:
+            applied = dict(self.handle.patch_config(knobs))
+        except ConfigRejected as error:
+            raise _NotMeasured(knobs, f"rejected by the engine: {error}") from None
+        except EngineError as error:
+            raise _NotMeasured(knobs, f"could not apply the knobs: {error}") from None
+        try:  # every trial starts from the same state: no prefix block of an earlier trial survives
+            self.handle.reset_prefix_cache()
+        except EngineError as error:
+            raise _NotMeasured(applied, f"could not reset the prefix cache: {error}") from None
+        return applied, first_step
+
+    def _measure(self, knobs: dict[str, Any], out_dir: Path, rate: float, cfg: LoadConfig,
+                 run_summary: dict[str, Any], watch: _LoadWatch,
+                 itl_end: dict[float, float]) -> TrialOutcome:
+        """The load test's window ([warmup, warmup + duration) of the schedule, cut short when pruned) summarized
+        and written with the engine's step records of it, and judged."""
+        assert isinstance(self.slo, SLO)
+        end = min(self.warmup + self.duration, math.inf if watch.stopped_at is None else watch.stopped_at)
         records_path = out_dir / "records.parquet"
         summary = summarize(str(records_path), slo=self.slo, window=(self.warmup, max(end, self.warmup + 1e-3)),
                             meta={k: v for k, v in run_summary.items() if k != "warnings"},
                             lag_warn=cfg.lag_warn)
-        summary["engine_itl_p99"] = engine_itl_p99(itl.get("start", {}), itl["end"])
+        summary["engine_itl_p99"] = engine_itl_p99(watch.itl_start or {}, itl_end)
         write_summary(str(out_dir / "summary.json"), summary)
         t0 = float(run_summary.get("start_time") or 0.0)
         # the steps that made the window's tokens: from its opening to the load test's end (the drain included),
         # or to the moment the pruned load test was stopped
-        start, end_s = t0 + self.warmup, t0 + stopped["at"] if stopped else run_ended
-        collector.read()  # the drain's last steps
-        steps = window_steps(collector.records, start, end_s)
+        start = t0 + self.warmup
+        end_s = t0 + watch.stopped_at if watch.stopped_at is not None else watch.ended_at
+        watch.collector.read()  # the drain's last steps
+        steps = window_steps(watch.collector.records, start, end_s)
         with open(out_dir / "steps.jsonl", "w", encoding="utf-8") as f:
             for r in steps:
                 f.write(json.dumps(r) + "\n")
-        stats = step_stats(steps, dropped=collector.dropped_in(start, end_s))
-        if watcher is not None and watcher.reason:
-            return TrialOutcome(knobs, summary, stats, False, watcher.reason, out_dir, pruned=True, rate=rate)
+        stats = step_stats(steps, dropped=watch.collector.dropped_in(start, end_s))
+        if watch.watcher is not None and watch.watcher.reason:
+            return TrialOutcome(knobs, summary, stats, False, watch.watcher.reason, out_dir, pruned=True, rate=rate)
         reason = feasibility(summary, self.slo)
         return TrialOutcome(knobs, summary, stats, reason is None, reason, out_dir, rate=rate)
 
@@ -281,6 +275,45 @@ class TrialRunner:
                  "started_at": started_at, "simulated": o.simulated, "pruned": o.pruned,
                  "duration": self.duration, "warmup": self.warmup}
         (o.out_dir / "trial.json").write_text(json.dumps(trial, indent=2) + "\n")
+
+
+class _NotMeasured(Exception):
+    """A trial that ends before its load test, for ``reason``."""
+
+    def __init__(self, knobs: dict[str, Any], reason: str) -> None:
+        super().__init__(reason)
+        self.knobs, self.reason = knobs, reason
+
+
+class _LoadWatch:
+    """A trial's load-test progress: handed on to the runner's ``on_progress``; the engine's inter-token histogram
+    taken as the window opens; the step records read on as they are made; the load stopped when tune stops, or when ``watcher`` judges the window lost."""
+
+    def __init__(self, runner: TrialRunner, collector: StepCollector, watcher: PruneWatcher | None) -> None:
+        self.runner, self.collector, self.watcher = runner, collector, watcher
+        self.itl_start: dict[float, float] | None = None
+        self.stopped_at: float | None = None  # seconds into the load test when the pruner stopped it
+        self.ended_at = math.inf  # when the load test ended (wall clock)
+
+    def __call__(self, p: dict[str, Any]) -> None:
+        runner = self.runner
+        if runner.on_progress is not None:
+            runner.on_progress(p)
+        elapsed_s = float(p.get("elapsed_s", 0.0))
+        if self.itl_start is None and elapsed_s >= runner.warmup:
+            self.itl_start = runner._itl_snapshot()  # the engine's inter-token histogram as the window opens
+        self.collector.poll()  # before the engine's ring buffer drops them
+        if STOP.is_set():
+            _stop_locust()  # tune is stopping: end the load test now
+            return
+        if self.watcher is None or self.stopped_at is not None:
+            return
+        elapsed = elapsed_s - runner.warmup
+        if elapsed < 0:
+            return
+        if self.watcher.check(elapsed, itl_buckets(runner.handle.metrics_text())):
+            self.stopped_at = elapsed_s
+            _stop_locust()
 
 
 def engine_itl_p99(before: dict[float, float], after: dict[float, float]) -> float | None:
