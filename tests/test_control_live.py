@@ -61,6 +61,7 @@ def engine(shared_engine: SubprocessServer) -> SubprocessServer:
     return shared_engine
 
 
+@pytest.mark.slow  # 1-3 minutes (its backlog drains after the rollback): the default suite stays under 15 minutes
 def test_a_move_that_breaks_the_slo_is_rolled_back_at_once(engine: SubprocessServer, tmp_path: Path) -> None:
     # max_num_seqs 1 serves these requests one at a time (~0.4 s each on an idle 2-core machine, so at most ~2.5
     # req/s): at 6 req/s the queue, and with it the TTFT, grows without bound on any machine this runs on. The

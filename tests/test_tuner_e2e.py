@@ -50,6 +50,7 @@ def tuned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.Co
     return d, proc
 
 
+@pytest.mark.slow  # about 2 minutes: with the slow tests, so that the default suite stays under 15 minutes on 2 cores
 def test_tune_writes_a_servable_config_whose_p99_tbt_meets_the_slo(
         tuned: tuple[Path, subprocess.CompletedProcess[str]]) -> None:
     d, proc = tuned
