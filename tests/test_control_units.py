@@ -417,3 +417,30 @@ def test_a_canary_is_kept_on_its_own_arrivals_not_on_the_queue_it_inherited() ->
     assert judge(before, everything, 30, spec, fresh=None).action == "continue"  # the backlog has not drained
     assert judge(before, everything, 30, spec, fresh=stats(24, 25)).action == "keep"
     assert judge(before, everything, 61, spec, fresh=None).action == "rollback"
+
+
+def test_a_rate_shift_long_after_the_start_is_drift_even_at_a_rate_too_low_for_one_window(tmp_path: Path) -> None:
+    """At 0.4 req/s one 30 s drift window holds 12 requests, fewer than the 20 the trigger needs: the reference
+    grows until it holds them and is kept after its scrapes leave the controller's history; the rate quadrupling
+    five minutes in is then drift."""
+    from tuner.control.loop import Controller
+    from tuner.control.triggers import drift_trigger as judge_drift
+
+    policy = policy_with(triggers={"drift_window": "30s", "min_requests": 20, "drift_threshold": 0.3})
+    controller = Controller(policy, None, None, DecisionLog(tmp_path / "c.jsonl"), say=lambda s: None)
+    controller.reference_since = 0.0
+    finished, fired_at = 0.0, None
+    for t in range(0, 601, 2):
+        rate = 0.4 if t < 300 else 1.6
+        finished += rate * 2
+        controller.remember(scrape(float(t), ok=finished, count=finished, finished=finished,
+                                   prompt=20 * finished, output=20 * finished))
+        recent, reference = controller.recent_shape(), controller.reference_shape()
+        if t < 300:
+            assert recent is None or judge_drift(recent, reference, policy.control.triggers) is None, t
+        elif fired_at is None and recent is not None and \
+                judge_drift(recent, reference, policy.control.triggers) is not None:
+            fired_at = t
+    assert controller.history[0].time > 100  # the reference's scrapes are long gone
+    assert fired_at is not None and fired_at <= 300 + 60, fired_at
+    assert controller.reference is not None and controller.reference.requests >= 20

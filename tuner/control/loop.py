@@ -68,6 +68,8 @@ class Controller:
         self.canary: CanaryRun | None = None
         self.state: ResumeState = resume(self.log.records())
         self.reference_since: float | None = None
+        # the reference window's shape, kept once measured: its scrapes leave the history after keep_s
+        self.reference: Shape | None = None
         self.last_observation = 0.0
         self.source_down = False
         self.slo = SLO(tbt_p99=self.policy.slo.tbt_p99, ttft_p99=self.policy.slo.ttft_p99)
@@ -124,10 +126,14 @@ class Controller:
             self.log.write("event", what="source_back")
         self.source_down = False
         self.metrics.source_up.set(1)
+        self.remember(scrape)
+        return scrape
+
+    def remember(self, scrape: Scrape) -> None:
+        """Keep the scrape, and those of the last keep_s seconds before it."""
         self.history.append(scrape)
         while self.history and self.history[0].time < scrape.time - self.keep_s:
             self.history.popleft()
-        return scrape
 
     # ---------------------------------------------------------------------------------------------- windows
     def since(self, start: float) -> list[Scrape]:
@@ -172,14 +178,24 @@ class Controller:
         return shape if shape is not None and shape.seconds >= WINDOW_COVER * length else None
 
     def reference_shape(self) -> Shape | None:
-        """The shape of the first drift window after the last decision (or the start), once the recent window no
-        longer overlaps it."""
-        length = self.policy.control.triggers.drift_window
-        if self.reference_since is None or not self.history or \
-                self.history[-1].time - length < self.reference_since + length:
+        """The workload's shape after the last decision (or the start), to judge drift against: from then up to
+        where the recent window begins, at least a drift window long, and kept once it holds the trigger's minimum
+        of requests (the history drops its scrapes after keep_s; at a low rate one drift window may hold too few)."""
+        if self.reference is not None:
+            return self.reference
+        t = self.policy.control.triggers
+        if self.reference_since is None or not self.history:
             return None
-        shape = self.shape_between(self.reference_since, self.reference_since + length)
-        return shape if shape is not None and shape.seconds >= WINDOW_COVER * length else None
+        start = max(self.reference_since, self.history[0].time)
+        end = self.history[-1].time - t.drift_window
+        if end - start < t.drift_window:
+            return None
+        shape = self.shape_between(start, end)
+        if shape is None or shape.seconds < WINDOW_COVER * t.drift_window:
+            return None
+        if shape.requests >= t.min_requests:
+            self.reference = shape
+        return shape
 
     def observe(self, scrape: Scrape, stats: WindowStats | None) -> None:
         if scrape.time - self.last_observation < self.observe_every:
@@ -200,7 +216,7 @@ class Controller:
                                 mode=self.mode, **fields)
         self.state.last_decision_time = self.state.last_retune_time = record["time"]
         self.state.decisions += 1
-        self.reference_since = record["time"]
+        self.reference_since, self.reference = record["time"], None
         self.metrics.decided(outcome)
         self.say(f"slotune control: decision {did}: {outcome} ({trigger.kind}): {reason}")
 
