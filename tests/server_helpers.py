@@ -20,6 +20,12 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
+TUNE = [sys.executable, "-m", "tuner.commands.tune"]  # the `tune` command of this checkout
+
+
+def run_tune(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """`tune ARGS` in ``cwd``, its output captured."""
+    return subprocess.run([*TUNE, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 STARTUP_TIMEOUT_S = 180.0
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from slotune.cli import SUBCOMMANDS
 from loadtest.config import Option
 from tests.deploy_helpers import ComposeLocust, NativeStack, dashboard_queries, run_loadtest
 from tests.postgres_helpers import start_postgres
+from tests.server_helpers import TUNE
 from tuner.search.study import ROLE_DEFAULT, open_storage
 
 SLO_TBT = "0.05"  # the shipped rules' target
@@ -175,7 +175,7 @@ def test_two_tune_processes_share_one_postgresql_study(stack: NativeStack, load:
     try:
         for i, engine in enumerate(stack.engines):
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tuner.commands.tune", "--policy", "policy.yaml", "--storage", url, "--study-name",
+                [*TUNE, "--policy", "policy.yaml", "--storage", url, "--study-name",
                  "replicas", "--engine-url", engine.url, "--admin-token", stack.admin_token,
                  "--out", f"out{i}/tuned.yaml"],
                 cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

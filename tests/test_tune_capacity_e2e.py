@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.server_helpers import run_tune
 
 POLICY = """
 slo: {tbt_p99: 1s, ttft_p99: 5s}
@@ -32,8 +33,7 @@ verdict: {candidates: 1, max_rounds: 2, budget: 60s}
 
 
 def tune(args: list[str], cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tuner.commands.tune", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_tune(args, cwd, timeout)
 
 
 def test_an_slo_below_the_floor_stops_before_searching_with_the_measured_floor(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -15,7 +14,7 @@ import pytest
 import yaml
 
 from policies import load_policy
-from tests.server_helpers import SubprocessServer
+from tests.server_helpers import SubprocessServer, run_tune
 from tuner.trials.engine_handle import EngineHandle
 from tuner.trials.trial_runner import TrialRunner
 
@@ -38,8 +37,7 @@ rate: 1.0
 
 
 def tune(args: list[str], cwd: Path, timeout: float = 420) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tuner.commands.tune", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_tune(args, cwd, timeout)
 
 
 @pytest.fixture(scope="module")

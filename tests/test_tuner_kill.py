@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
+
+from tests.server_helpers import TUNE
 
 POLICY = """
 slo: {tbt_p99: 1s}
@@ -37,8 +38,8 @@ def locust_running(children: list[psutil.Process]) -> bool:
 def test_kill_9_of_tune_mid_trial_leaves_no_process_of_it(tmp_path: Path) -> None:
     (tmp_path / "policy.yaml").write_text(POLICY)
     with open(tmp_path / "tune.log", "w") as log:
-        tune = subprocess.Popen([sys.executable, "-m", "tuner.commands.tune", "--policy", "policy.yaml", "--out",
-                                 "out/tuned.yaml"], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+        tune = subprocess.Popen([*TUNE, "--policy", "policy.yaml", "--out", "out/tuned.yaml"], cwd=tmp_path,
+                                stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 400
             while time.monotonic() < deadline:  # wait for a trial in flight: a Locust child beside the engine

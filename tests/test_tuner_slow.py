@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import yaml
 from optuna.trial import TrialState
 
 from tests.postgres_helpers import start_postgres
-from tests.server_helpers import SubprocessServer
+from tests.server_helpers import TUNE, SubprocessServer
 from tuner.trials.engine_handle import EngineHandle
 from tuner.search.study import ROLE_DEFAULT, open_storage
 
@@ -40,7 +39,7 @@ rate: 1.0
 
 
 def tune_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tuner.commands.tune", "--policy", "policy.yaml", *args]
+    return [*TUNE, "--policy", "policy.yaml", *args]
 
 
 def test_resume_after_kill_9(tmp_path: Path) -> None:
