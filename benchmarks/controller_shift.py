@@ -5,7 +5,8 @@ the config tuned for phase one, and for the controller (``slotune control`` star
     PYTHONPATH=. python benchmarks/controller_shift.py --phase-seconds 60 --out /tmp/shift     # a short look (~10 min)
 
 Each arm gets a fresh engine and the same two Locust runs back to back (same seeds: the same arrival draws):
-phase one ``--mix`` at ``--rate``, phase two the same mix at ``--rate2`` (default: four times the rate). Attainment
+phase one ``--mix`` at ``--rate``, phase two ``--mix2`` (default: the same mix) at ``--rate2`` (default: four
+times the rate). Attainment
 per request (DESIGN: TTFT and its own p99 gap within the SLO; failed or unfinished requests do not attain) is binned
 by intended send time; each phase is summarized after the settling time (``--settle``) with its Clopper-Pearson
 interval, and goodput (attaining requests/s) is compared with the best static arm of that phase. Writes
@@ -82,11 +83,10 @@ def run_arm(arm: Arm, args: argparse.Namespace, out: Path, slo: SLO) -> dict[str
                      engine.token, "--policy", str(out / "policy.yaml"), "--log", str(out / "controller.jsonl")],
                     cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
         phases = []
-        for i, rate in enumerate((args.rate, args.rate2 or 4 * args.rate)):
+        for i, (mix, rate) in enumerate(((args.mix, args.rate), (args.mix2 or args.mix, args.rate2 or 4 * args.rate))):
             started = time.time()
-            summary = run_phase(handle.url, out / f"phase{i + 1}", args.mix, rate, args.phase_seconds, args.seed + i,
-                                slo)
-            phases.append({"rate": rate, "started": started, "summary": {
+            summary = run_phase(handle.url, out / f"phase{i + 1}", mix, rate, args.phase_seconds, args.seed + i, slo)
+            phases.append({"rate": rate, "mix": mix, "started": started, "summary": {
                 k: summary.get(k) for k in ("requests", "completed", "failed", "unfinished", "lost_requests",
                                             "attainment", "goodput_rps", "tbt_p99", "ttft_p99")}})
         final = handle.get_config()
@@ -154,8 +154,8 @@ def plot(results: list[dict[str, Any]], out: Path, args: argparse.Namespace) -> 
     fig.add_hline(y=0.9, line_dash="dash", line_color="#d62728")
     fig.add_vline(x=args.phase_seconds, line_dash="dot", line_color="#555")
     fig.update_layout(template="plotly_white", width=1100, height=500,
-                      title=f"SLO attainment over time: phase 1 {args.rate:g} req/s, phase 2 "
-                            f"{args.rate2 or 4 * args.rate:g} req/s ({args.mix})",
+                      title=f"SLO attainment over time: phase 1 {args.rate:g} req/s ({args.mix}), phase 2 "
+                            f"{args.rate2 or 4 * args.rate:g} req/s ({args.mix2 or args.mix})",
                       xaxis_title="seconds (intended send time)", yaxis_title="attainment", yaxis_range=[0, 1.05])
     html = out / "controller_shift.html"
     fig.write_html(str(html), include_plotlyjs=True)
@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=0.4, help="phase one's rate (req/s)")
     p.add_argument("--rate2", type=float, default=None, help="phase two's rate (default: 4 x --rate)")
     p.add_argument("--mix", default="short=16:24")
+    p.add_argument("--mix2", default=None, help="phase two's mix (default: --mix), e.g. long=16:160: longer outputs "
+                                                "hold each sequence longer")
     p.add_argument("--settle", type=float, default=120.0, help="seconds after each phase starts not judged")
     p.add_argument("--bin", type=float, default=20.0, help="seconds per point of the attainment curve")
     p.add_argument("--seed", type=int, default=0)

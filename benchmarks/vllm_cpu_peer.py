@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed + 20_000)
     batch1_prompt = [rng.randrange(100, vocab) for _ in range(args.batch1_prompt)]
     default = choose_dtype("auto", "cpu")
-    engine_args = argparse.Namespace(model=None, max_num_seqs=args.max_num_seqs, block_size=16,
+    engine_args = argparse.Namespace(model=None, device="cpu", max_num_seqs=args.max_num_seqs, block_size=16,
                                      max_num_batched_tokens=args.max_num_batched_tokens,
                                      kv_cache_bytes=args.kv_cache_gib << 30)
     engines = {"requests": requests, "warm": warmup_workload(vocab, args.seed),

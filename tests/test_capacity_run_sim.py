@@ -65,3 +65,41 @@ def test_an_slo_below_the_simulated_floor_stops_before_searching(
     rc, _, err = run_on_the_simulator(tmp_path, 0.001, capsys)
     assert rc == 1 and "below this machine's floor" in err
     assert not (tmp_path / "out" / "tuned.yaml").exists()
+
+
+def test_when_nothing_was_shown_served_the_last_lines_tell_undecided_from_missed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import optuna
+
+    from tuner.search.samplers import ROLE_DEFAULT
+
+    policy = load_policy()
+    args = build_parser().parse_args(["--out", str(tmp_path / "tuned.yaml")])
+    storage = open_storage(f"sqlite:///{tmp_path}/study.db")
+    session = TuneSession(args, policy, storage, None)
+    study = open_study(storage, session.study_name, policy)
+    model = StepTimeModel.load(profile_path(None))
+    sim = SimTrialRunner(model, limits=limits_of(model), workload=policy.workload, duration=policy.trial_duration,
+                         warmup=policy.warmup, slo=SLO(0.05, 2.0))
+    run = CapacityRun(session, sim, study, "sim")
+
+    def add(role: str, probes: list[tuple[float, str]], stopped: str) -> None:
+        cap = {"bracket": [0.0, min(r for r, _ in probes)], "stopped": stopped,
+               "probes": [{"rate": r, "verdict": v, "describe": ""} for r, v in probes]}
+        study.add_trial(optuna.trial.create_trial(value=0.0, user_attrs={
+            "role": role, "knobs": {"max_num_seqs": 64}, "capacity": cap, "feasible": False}))
+
+    add(ROLE_DEFAULT, [(1.0, "missed"), (0.5, "undecided")], "undecided at 0.5 req/s (attainment 93%)")
+    assert run.finish() == 1
+    err = capsys.readouterr().err
+    assert "no config was shown to serve any rate" in err
+    assert "#0 default config: missed at 1 req/s, undecided at 0.5 req/s" in err
+    assert "undecided is not missed" in err and "longer measurement cap" in err
+    assert not (tmp_path / "tuned.yaml").exists() and (tmp_path / "tuned.html").exists()
+
+    study2 = open_study(storage, "all-missed", policy)
+    run.study = study2
+    study = study2
+    add(ROLE_DEFAULT, [(1.0, "missed"), (0.5, "missed")], "not served at 0.5 req/s")
+    assert run.finish() == 1
+    assert "every rate probed was missed: try a looser target" in capsys.readouterr().err

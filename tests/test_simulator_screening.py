@@ -67,6 +67,27 @@ def test_search_comparison_curves_and_the_grid(runner: SimTrialRunner) -> None:
     assert all(t >= 1 for m in ("tpe", "random") for t in c.trials_to(m) if not math.isinf(t))
 
 
+def test_the_comparison_runs_the_samplers_in_the_tuners_own_trial_loop(runner: SimTrialRunner, tmp_path) -> None:
+    import optuna
+
+    from loadtest.summary import SLO
+    from tuner.search.comparison import LookupBackend, evaluate_space, key, point, run_method
+    from tuner.search.study import enqueue_default, make_sampler, run_trials
+
+    table = evaluate_space(POLICY, runner)
+    default = point(runner.run({}), runner.slo)
+    backend = LookupBackend(table, SLO(**POLICY.slo.as_dict()))
+    curve = run_method("tpe", POLICY, table, 6, 0, default=default, backend=backend)
+    # the same configs, in the same order, as a real study of the tuner on the same sampler seed
+    policy = POLICY.replace(sampler="tpe", start="structured", trials=6, objective="goodput")
+    study = optuna.create_study(direction="maximize", sampler=make_sampler(policy, 0))
+    enqueue_default(study)
+    real = LookupBackend({**table, key({}): default}, backend.slo)
+    run_trials(study, real, policy, 6, tmp_path)
+    assert backend.asked[0] == {} and backend.asked == real.asked and len(curve) == 6
+    assert curve[0] == (default.goodput if default.feasible else 0.0)
+
+
 def test_screen_enqueues_the_best_for_the_study_to_confirm(runner: SimTrialRunner, tmp_path) -> None:
     import json
 

@@ -152,7 +152,9 @@ class CapacityRun:
         start = self.p.capacity.start_rate
 
         def c(name: str, t: optuna.trial.FrozenTrial) -> Contender:
-            return Contender(name, dict(t.user_attrs["knobs"]), t.values[0] if t.values[0] > 0 else start)
+            # a config that served no rate starts its rounds where its search stopped: the lowest rate not shown
+            high = (t.user_attrs["capacity"].get("bracket") or [None, None])[1]
+            return Contender(name, dict(t.user_attrs["knobs"]), t.values[0] if t.values[0] > 0 else high or start)
 
         return c(DEFAULT, default), [c(f"candidate {i + 1} (trial #{t.number})", t) for i, t in enumerate(others)]
 
@@ -170,13 +172,7 @@ class CapacityRun:
         p = self.p
         default, candidates = self.contenders()
         if not candidates and not any(t.values[0] > 0 for t in measured(self.study) if "capacity" in t.user_attrs):
-            report = self.s.out.with_suffix(".html")
-            write_report(report, self.study, p.slo.as_dict(), f"tune: {self.s.study_name}",
-                         ["No config was shown to serve any rate within the SLO."])
-            print(f"{PROG}: no config was shown to serve any rate within {self.s.slo_text()} "
-                  f"({len(measured(self.study))} configs searched; report: {report}); try a looser target",
-                  file=sys.stderr)
-            return 1
+            return self.none_shown()
         say(f"{PROG}: paired verdict: the default and {len(candidates)} candidate(s), fresh arrival draws, the same "
             f"draw for every config in a round, up to {p.verdict.max_rounds} rounds or "
             f"{format_duration(p.verdict.budget)} ...")
@@ -184,6 +180,30 @@ class CapacityRun:
                                 p.measurement.level, on_round=self.round_line)
         chosen, held = self.choose(result)
         return self.write(result, chosen, held)
+
+    def none_shown(self) -> int:
+        """No config was shown to serve any rate: what each search saw, worded by its verdicts (an undecided rate is
+        at the edge of the target share, not missed), on stderr and in the report; exit 1."""
+        report = self.s.out.with_suffix(".html")
+        names = [k.name for k in self.p.search_space]
+        lines, undecided = [], False
+        for t in (t for t in measured(self.study) if "capacity" in t.user_attrs):
+            cap = t.user_attrs["capacity"]
+            probes = sorted(cap.get("probes") or [], key=lambda m: -m["rate"])
+            undecided |= any(m["verdict"] == "undecided" for m in probes)
+            who = "default config" if t.user_attrs.get("role") == ROLE_DEFAULT else short_knobs(t.user_attrs["knobs"],
+                                                                                                  names)
+            lines.append(f"  #{t.number} {who}: " + ", ".join(f"{m['verdict']} at {m['rate']:.3g} req/s"
+                                                               for m in probes) + f" ({cap.get('stopped')})")
+        advice = ("undecided is not missed: at the edge of the target share only more requests decide (a longer "
+                  "measurement cap in the policy), and a looser target serves more" if undecided else
+                  "every rate probed was missed: try a looser target")
+        head = f"{PROG}: no config was shown to serve any rate within {self.s.slo_text()}"
+        write_report(report, self.study, self.p.slo.as_dict(), f"tune: {self.s.study_name}",
+                     [head] + lines + [advice])
+        print("\n".join([head + f" ({len(lines)} configs searched):"] + lines + [f"  {advice}; report: {report}"]),
+              file=sys.stderr)
+        return 1
 
     def confirmed(self) -> list[dict[str, Any]]:
         """Each screened config the engine measured: the simulator's predicted capacity beside the engine's."""

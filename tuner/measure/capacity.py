@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from policies import Policy
-from tuner.measure.measurement import TARGET_SHARE, Measurement, MeasurementSpec, fewest_requests_to_show, measure
+from tuner.measure.measurement import TARGET_SHARE, Measurement, MeasurementSpec, measure
 from tuner.measure.statistics import Interval
 from tuner.trials.trial_backend import TrialBackend
 
@@ -98,13 +98,19 @@ def next_rate(low: float, high: float, start: float, step: float) -> float:
 
 def search_capacity(probe: Callable[[float], Measurement], knobs: dict[str, Any], start: float,
                     resolution: float = 0.15, max_probes: int = 6, step: float = 2.0,
-                    on_probe: Callable[[Measurement], None] | None = None) -> Capacity:
-    """Bracket and bisect the capacity of ``knobs``; ``probe(rate)`` measures it at a rate."""
+                    on_probe: Callable[[Measurement], None] | None = None,
+                    can_show_met: Callable[[float], bool] | None = None) -> Capacity:
+    """Bracket and bisect the capacity of ``knobs``; ``probe(rate)`` measures it at a rate. ``can_show_met(rate)``
+    (MeasurementSpec.can_show_met): whether a measurement at that rate holds enough requests to show the share met;
+    with no rate served yet, the search does not go down to a rate that cannot."""
     cap = Capacity(dict(knobs), resolution=resolution)
     while len(cap.probes) < max_probes:
         rate = next_rate(cap.low, cap.high, start, step)
         if rate < MIN_RATE:
             cap.stopped = f"not served at {cap.high:.3g} req/s, the lowest rate searched"
+            return cap
+        if cap.low <= 0 and cap.probes and can_show_met is not None and not can_show_met(rate):
+            cap.stopped = _not_shown_below(cap, rate)
             return cap
         m = probe(rate)
         cap.probes.append(m)
@@ -118,13 +124,6 @@ def search_capacity(probe: Callable[[float], Measurement], knobs: dict[str, Any]
         if cap.rejected:
             cap.stopped = cap.rejected
             return cap
-        if cap.low <= 0 and m.verdict == "undecided" and m.figures is not None \
-                and m.figures.requests < fewest_requests_to_show(TARGET_SHARE, m.figures.attainment.level):
-            # nothing shown yet, and too few requests fit the cap at this rate to show the share even if all of
-            # them attained: a lower rate holds fewer still, so going down cannot decide either
-            cap.stopped = (f"undecided at {rate:.3g} req/s ({m.figures.attaining}/{m.figures.requests} requests "
-                           f"attained: too few within the cap to show {TARGET_SHARE:.0%})")
-            return cap
         if cap.low > 0 and cap.high <= cap.low:  # a lower rate failed after a higher one served: noise; keep both
             cap.high = cap.low * (1 + resolution)
         if cap.resolved:
@@ -132,6 +131,17 @@ def search_capacity(probe: Callable[[float], Measurement], knobs: dict[str, Any]
             return cap
     cap.stopped = f"{max_probes} probes used"
     return cap
+
+
+def _not_shown_below(cap: Capacity, rate: float) -> str:
+    """Why a search with nothing served stops going down: the lowest probe's verdict, and that ``rate`` is too low
+    for a measurement's cap to hold the requests that could show the share."""
+    lowest = min(cap.probes, key=lambda m: m.rate)
+    f = lowest.figures
+    seen = (f"attainment {f.attainment.format('%', 100, 3)} of {f.requests} requests" if f is not None
+            else lowest.reason or "failed")
+    return (f"{lowest.verdict} at {lowest.rate:.3g} req/s ({seen}); at {rate:.3g} req/s the cap holds too few "
+            f"requests to show {TARGET_SHARE:.0%}")
 
 
 def knob_distance(a: dict[str, Any], b: dict[str, Any], names: list[str]) -> float:
@@ -149,13 +159,13 @@ def knob_distance(a: dict[str, Any], b: dict[str, Any], names: list[str]) -> flo
 def start_from_known(knobs: dict[str, Any], known: list[tuple[dict[str, Any], float, float]], names: list[str],
                      default: float) -> tuple[float, float]:
     """(first rate, step) of a config's search from the brackets ``(knobs, low, high)`` of configs already measured:
-    the nearest one's capacity (or, when it served nothing, half its lowest failing rate) with a small step; with
-    nothing known, ``default`` and doubling."""
+    the nearest one's capacity (or, when it served nothing, its lowest rate not served: this config may serve it)
+    with a small step; with nothing known, ``default`` and doubling."""
     usable = [(kn, lo, hi) for kn, lo, hi in known if lo > 0 or math.isfinite(hi)]
     if not usable:
         return default, 2.0
     _, lo, hi = min(usable, key=lambda t: knob_distance(knobs, t[0], names))
-    return (lo if lo > 0 else hi / 2), 1.5
+    return (lo if lo > 0 else hi), 1.5
 
 
 @dataclass
@@ -181,8 +191,11 @@ class CapacitySearcher:
             probes.append(1)
             return measure(self.backend, knobs, rate, Path(out_dir) / f"probe-{len(probes) - 1}", draw, self.spec)
 
-        cap = search_capacity(probe, knobs, start if start is not None else first, self.resolution,
-                              max_probes or self.max_probes, step or first_step, self.on_probe)
+        # never start where a measurement could not show the share met (a start from a neighbour that served nothing)
+        first = max(start if start is not None else first, self.spec.lowest_rate_to_show())
+        cap = search_capacity(probe, knobs, first, self.resolution,
+                              max_probes or self.max_probes, step or first_step, self.on_probe,
+                              self.spec.can_show_met)
         if remember and not cap.rejected:
             self.known.append((cap.knobs, cap.low, cap.high))
         return cap

@@ -11,8 +11,11 @@ records of all its windows give:
 
 The measurement stops as soon as it is decided (:func:`should_stop`): attainment "missed" (no more data can make
 the config serve this rate), or attainment "met" with the p99 TBT interval on one side of the target (after at
-least ``min_gaps`` gaps). At the cap (``max_segments``) whatever is still undecided is
-reported as "undecided", never as met or missed. A segment that fails (rejected config, crashed engine, failed
+least ``min_gaps`` gaps). It also stops, "undecided", once the cap can no longer show the share met
+(:func:`cannot_meet_by_cap`: even an optimistic reading of the attainment so far, projected over the requests the
+cap holds, leaves the share's lower bound below the target): an attainment at the edge, 93 % against 90 %, needs
+hundreds of requests, and more windows only spend the run's time. At the cap (``max_segments``) whatever is still
+undecided is reported as "undecided", never as met or missed. A segment that fails (rejected config, crashed engine, failed
 load test) ends the measurement as "missed" with its reason, as a failed trial always was.
 """
 
@@ -61,6 +64,16 @@ class MeasurementSpec:
             return self.max_segments
         needed = 1.5 * fewest_requests_to_show(self.target_share, self.level) / rate
         return max(self.max_segments, min(3 * self.max_segments, math.ceil(needed / self.window_s)))
+
+    def lowest_rate_to_show(self) -> float:
+        """The lowest rate whose cap (3x ``max_segments`` windows down there) holds enough requests to show the
+        target share even if all of them attain: below it a measurement can only be undecided or missed."""
+        if self.window_s <= 0:
+            return 0.0
+        return fewest_requests_to_show(self.target_share, self.level) / (self.window_s * 3 * self.max_segments)
+
+    def can_show_met(self, rate: float) -> bool:
+        return rate >= self.lowest_rate_to_show() * (1 - 1e-9)
 
 
 def fewest_requests_to_show(share: float, level: float = DEFAULT_LEVEL) -> int:
@@ -115,6 +128,22 @@ def should_stop(f: Figures) -> bool:
     return f.verdicts["attainment"] == "met" and f.verdicts.get("tbt_p99", "met") != "undecided"
 
 
+# The optimistic reading of an attainment for the futility rule: the upper end of a one-sided 80 % interval, so a
+# config whose true share clears the target is rarely given up on after an unlucky start.
+OPTIMISTIC_LEVEL = 0.6
+
+
+def cannot_meet_by_cap(f: Figures, segments_done: int, cap_segments: int, spec: MeasurementSpec) -> bool:
+    """Futility: the attainment is undecided and cannot be shown met by the cap. The requests the cap holds are
+    projected from those so far; even at an optimistic share (:data:`OPTIMISTIC_LEVEL`), their interval's lower end
+    stays below the target share."""
+    if f.verdicts["attainment"] != "undecided" or segments_done >= cap_segments or f.requests == 0:
+        return False
+    at_cap = math.ceil(f.requests * cap_segments / segments_done)
+    share = proportion_interval(f.attaining, f.requests, OPTIMISTIC_LEVEL).high
+    return proportion_interval(math.floor(share * at_cap), at_cap, spec.level).low < spec.target_share
+
+
 @dataclass
 class Measurement:
     """A config at a rate: the pooled figures of its segments and what they decide."""
@@ -125,6 +154,7 @@ class Measurement:
     segments: list[TrialOutcome] = field(default_factory=list)
     reason: str | None = None  # why a segment failed (then the measurement is "missed")
     window_s: float = 0.0  # total measured window time
+    stopped: str = ""  # why it stopped before the cap while undecided (the futility rule)
 
     @property
     def verdict(self) -> Verdict:
@@ -161,11 +191,11 @@ class Measurement:
         if itl is not None:
             text += f"; engine-side p99 ITL <= {itl * 1000:.0f}ms"
         text += "]"
-        return text + (f"; {self.reason}" if self.reason else "")
+        return text + (f"; {self.reason}" if self.reason else "") + (f"; {self.stopped}" if self.stopped else "")
 
     def as_dict(self) -> dict[str, Any]:
         return {"knobs": self.knobs, "rate": self.rate, "verdict": self.verdict, "reason": self.reason,
-                "window_s": self.window_s, "segments": len(self.segments),
+                "stopped": self.stopped, "window_s": self.window_s, "segments": len(self.segments),
                 "output_tokens_per_s": self.output_tokens_per_s, "engine_itl_p99": self.engine_itl_p99,
                 "figures": self.figures.as_dict() if self.figures else None,
                 "dirs": [str(s.out_dir) for s in self.segments if s.out_dir]}
@@ -192,10 +222,11 @@ def segment_seed(draw: int, segment: int) -> int:
 def measure(backend: TrialBackend, knobs: dict[str, Any], rate: float, out_dir: Path, draw: int = 0,
             spec: MeasurementSpec = MeasurementSpec(),
             on_segment: Callable[[Measurement], None] | None = None) -> Measurement:
-    """Measure ``knobs`` at ``rate`` segment by segment until :func:`should_stop` or the cap."""
+    """Measure ``knobs`` at ``rate`` segment by segment until :func:`should_stop`, the futility rule or the cap."""
     m = Measurement(knobs=dict(knobs), rate=rate, figures=None)
     pooled: list[RequestRecord] = []
-    for i in range(spec.segments_at(rate)):
+    cap = spec.segments_at(rate)
+    for i in range(cap):
         o = backend.run(knobs, Path(out_dir) / f"segment-{i}", rate=rate, seed=segment_seed(draw, i))
         m.segments.append(o)
         m.knobs = dict(o.knobs)
@@ -208,5 +239,9 @@ def measure(backend: TrialBackend, knobs: dict[str, Any], rate: float, out_dir: 
         if on_segment is not None:
             on_segment(m)
         if should_stop(m.figures):
+            break
+        if cannot_meet_by_cap(m.figures, i + 1, cap, spec):
+            m.stopped = (f"stopped after {i + 1} of {cap} windows: the ~{math.ceil(m.figures.requests * cap / (i + 1))}"
+                         f" requests of the cap cannot show {spec.target_share:.0%} at this share")
             break
     return m

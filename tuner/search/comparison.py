@@ -7,8 +7,9 @@ As in ``tune``, a sampler's study first measures the engine's default config (on
 not (auto_tune has no such trial). ``default_trial=False`` leaves it out.
 
 Every config of the (finite) search space is simulated once up front, so each method's trial costs a table lookup,
-and the exhaustive optimum is known exactly. The samplers ask through the tuner's own code
-(tuner.search.objective.suggest_knobs, constraints repaired as in a real study) and get the SLO as Optuna constraints.
+and the exhaustive optimum is known exactly. The samplers run in the tuner's own trial loop
+(tuner.search.study.run_trials, with the structured start, constraint repair and the SLO as Optuna constraints, as in
+a real study) on a backend that looks each config's outcome up (:class:`LookupBackend`).
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ import math
 import statistics
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import optuna
 
+from loadtest.summary import SLO
 from policies import Choices, IntRange, Policy
-from tuner.search.objective import goodput, slo_constraints, suggest_knobs
+from tuner.search.objective import goodput, slo_constraints
+from tuner.search.study import TrialReport, enqueue_default, feasible, make_sampler, run_trials
 from tuner.simulation.simulator_trial import SimTrialRunner
-from tuner.search.structured_start import enqueue_start
-from tuner.search.study import ROLE_DEFAULT, enqueue_default, make_sampler
+from tuner.trials.trial_runner import TrialOutcome
 
 METHODS = ("tpe", "tpe-random-start", "gp", "random", "grid")
 
@@ -37,6 +40,24 @@ class Point:
     goodput: float
     feasible: bool
     constraints: tuple[float, ...]
+    outcome: TrialOutcome | None = None  # the simulated trial it came from (what the lookup backend returns)
+
+
+@dataclass
+class LookupBackend:
+    """A trial backend whose trials are the simulated outcomes of the table (the default config under ``{}``)."""
+
+    table: dict[str, Point]
+    slo: SLO
+    simulated: bool = True
+    asked: list[dict[str, Any]] = field(default_factory=list)  # the configs the trial loop ran, in order
+
+    def run(self, knobs: dict[str, Any], out_dir: Path, rate: float | None = None,
+            seed: int | None = None) -> TrialOutcome:
+        self.asked.append(dict(knobs))
+        outcome = self.table[key(knobs)].outcome
+        assert outcome is not None
+        return outcome
 
 
 def key(knobs: dict[str, Any]) -> str:
@@ -69,11 +90,14 @@ def evaluate_space(policy: Policy, runner: SimTrialRunner, extra: Sequence[dict[
         for i, knobs in enumerate(configs):
             k = key(knobs)
             if k not in table:
-                o = runner.run(knobs)
-                table[k] = Point(goodput(o), o.feasible, tuple(slo_constraints(o, runner.slo)))
+                table[k] = point(runner.run(knobs), runner.slo)
             if progress is not None:
                 progress(i + 1, len(configs))
     return table
+
+
+def point(o: TrialOutcome, slo: SLO) -> Point:
+    return Point(goodput(o), o.feasible, tuple(slo_constraints(o, slo)), o)
 
 
 def grid_configs(policy: Policy) -> list[dict[str, Any]]:
@@ -91,38 +115,39 @@ def grid_configs(policy: Policy) -> list[dict[str, Any]]:
 
 
 def run_method(method: str, policy: Policy, table: dict[str, Point], trials: int, seed: int,
-               grid: list[dict[str, Any]] | None = None, default: Point | None = None) -> list[float]:
+               grid: list[dict[str, Any]] | None = None, default: Point | None = None,
+               backend: LookupBackend | None = None) -> list[float]:
     """Best feasible goodput after each trial (0 until a feasible one is found). ``default``: the engine's default
-    config, measured as a sampler's first trial as ``tune`` does (the grid ignores it)."""
-    from tuner.search.objective import CONSTRAINTS_ATTR
-
+    config, measured as a sampler's first trial as ``tune`` does (the grid ignores it). ``backend``: the lookup
+    backend to use (it records what was asked), else one on ``table``."""
     best, curve = 0.0, []
     if method == "grid":
         for knobs in (grid or grid_configs(policy))[:trials]:
-            p: Point | None = table[key(knobs)]
-            assert p is not None
+            p = table[key(knobs)]
             best = max(best, p.goodput) if p.feasible else best
             curve.append(best)
         return curve
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # The tuner's own sampler settings for a study of this many trials (tuner.search.study.make_sampler).
+    policy = policy.replace(sampler="tpe", start="random") if method == "tpe-random-start" else \
+        policy.replace(sampler=method, start="structured" if method == "tpe" else policy.start)
+    policy = policy.replace(trials=trials, objective="goodput")
+    backend = backend or LookupBackend(table, SLO(**policy.slo.as_dict()))
+    if default is not None:
+        backend.table = {**backend.table, key({}): default}
+
+    def on_trial(r: TrialReport) -> None:
+        nonlocal best
+        t = r.best
+        best = t.values[0] if t is not None and feasible(t) else best
+        curve.append(best)
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # experimental-feature notices
-        # The tuner's own sampler settings for a study of this many trials (tuner.search.study.make_sampler).
-        policy = policy.replace(sampler="tpe", start="random") if method == "tpe-random-start" else \
-            policy.replace(sampler=method, start="structured" if method == "tpe" else policy.start)
-        policy = policy.replace(trials=trials)
         study = optuna.create_study(direction="maximize", sampler=make_sampler(policy, seed))
         if default is not None:
             enqueue_default(study)
-        for _ in range(trials):
-            enqueue_start(study, policy)  # as run_trials does (TPE with the structured start only)
-            trial = study.ask()
-            p = default if trial.user_attrs.get("role") == ROLE_DEFAULT else table[key(suggest_knobs(trial, policy))]
-            assert p is not None
-            trial.set_user_attr(CONSTRAINTS_ATTR, list(p.constraints))
-            study.tell(trial, p.goodput)
-            best = max(best, p.goodput) if p.feasible else best
-            curve.append(best)
+        run_trials(study, backend, policy, trials, Path("comparison"), on_trial=on_trial)
     return curve
 
 
@@ -170,7 +195,7 @@ def compare(policy: Policy, runner: SimTrialRunner, trials: int = 60, seeds: int
             warnings.simplefilter("ignore")
             o = runner.run({})  # the runner's base config: the engine's default
         assert runner.slo is not None
-        default = Point(goodput(o), o.feasible, tuple(slo_constraints(o, runner.slo)))
+        default = point(o, runner.slo)
     curves: dict[str, list[list[float]]] = {}
     for m in methods:
         runs = 1 if m == "grid" else seeds

@@ -97,14 +97,15 @@ def sim_runner_like(runner: TrialRunner, profile: str | Path | None = None,
 
 
 def measured_steps(study: optuna.Study) -> list[dict[str, Any]]:
-    """The engine's step records of the study's completed real trials (each trial folder's steps.jsonl, capacity
-    probes included), each with its trial's block size."""
+    """The engine's step records of the study's completed real trials (the steps.jsonl of every window under the
+    trial's folder, all of a capacity trial's probes included), each with its trial's block size."""
     out: list[dict[str, Any]] = []
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
         block_size = (t.user_attrs.get("knobs") or {}).get("block_size")
-        if t.user_attrs.get("simulated") or not t.user_attrs.get("trial_dir") or block_size is None:
+        folder = t.user_attrs.get("steps_dir") or t.user_attrs.get("trial_dir")
+        if t.user_attrs.get("simulated") or not folder or block_size is None:
             continue
-        for path in sorted(Path(t.user_attrs["trial_dir"]).rglob("steps.jsonl")):
+        for path in sorted(Path(folder).rglob("steps.jsonl")):
             out += [{**json.loads(line), "block_size": block_size} for line in path.read_text().splitlines()
                     if line.strip()]
     return out

@@ -303,8 +303,9 @@ def run_trials(study: optuna.Study, runner: TrialRunner | TrialBackend, policy: 
         try:
             with Heartbeat(trial):
                 if policy.objective == "capacity":
+                    # a screened config's search starts at the simulator's predicted capacity, when it has one
                     ev: Evaluation = evaluate_capacity(searcher or capacity_searcher(runner, policy), knobs,
-                                                       trial_dir)
+                                                       trial_dir, trial.user_attrs.get("screen_predicted_capacity"))
                 else:
                     # the default config is the baseline of the report: measured over the whole window
                     ev = evaluate_goodput(runner, knobs, trial_dir, prune=role != ROLE_DEFAULT)
@@ -314,6 +315,7 @@ def run_trials(study: optuna.Study, runner: TrialRunner | TrialBackend, policy: 
         o = ev.outcome
         attrs = {"knobs": o.knobs, "summary": o.summary, "step_stats": o.step_stats, "feasible": o.feasible,
                  "reason": o.reason, "trial_dir": str(o.out_dir) if o.out_dir else "", "simulated": o.simulated,
+                 "steps_dir": str(trial_dir),  # every window of the trial (a capacity trial's probes) lies under it
                  "pruned": o.pruned, "rate": o.rate, CONSTRAINTS_ATTR: ev.constraints}
         if ev.probes:
             attrs["capacity_probes"] = ev.probes
