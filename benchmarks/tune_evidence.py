@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -43,7 +44,9 @@ def cpu_name() -> str:
 
 
 def run_tune(folder: Path, extra: list[str]) -> dict[str, Any]:
-    folder.mkdir(parents=True, exist_ok=True)
+    """The README's main command in a fresh ``folder`` (an earlier run's study there would be resumed)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "tuner.commands.tune", "--slo-p99-tbt", "50ms", "--out", "tuned.yaml",
                            "--storage", "sqlite:///study.db", *extra], cwd=folder, capture_output=True, text=True)
@@ -52,23 +55,27 @@ def run_tune(folder: Path, extra: list[str]) -> dict[str, Any]:
                            "last_line": (proc.stdout.strip().splitlines() or [""])[-1]}
     if (folder / "tuned.yaml").exists():
         doc = yaml.safe_load((folder / "tuned.yaml").read_text())
-        out.update(tuned=doc.get("tuned"), default=doc.get("default"), slo=doc.get("slo"),
+        out.update(tuned=doc.get("tuned"), default=doc.get("default"), slo=doc.get("slo"), workload=doc.get("workload"),
                    verdict=(doc.get("evidence") or {}).get("verdict", {}).get("winner"),
                    confirmed=(doc.get("evidence") or {}).get("confirmed", []))
     return out
 
 
-def loadtest(knobs: dict[str, Any], rate: float, slo: dict[str, float], folder: Path) -> dict[str, Any]:
-    """`slotune loadtest` (60 s, the independent seed) against `slotune serve` with ``knobs``."""
+def loadtest(knobs: dict[str, Any], rate: float, slo: dict[str, float], workload: dict[str, Any],
+             folder: Path) -> dict[str, Any]:
+    """`slotune loadtest` (60 s, the independent seed) against `slotune serve` with ``knobs``, on the workload the
+    study tuned for (tuned.yaml's)."""
     from tuner.trials.engine_handle import ManagedEngine
 
     engine = ManagedEngine(knobs=knobs, log_path=str(folder / "engine.log"))
     handle = engine.start()
     try:
         cmd = [sys.executable, "-m", "slotune.cli", "loadtest", "--url", handle.url, "--workload", "mixed",
-               "--length-scale", "0.125", "--output-scale", "1.0", "--rate", f"{rate:.4g}", "--duration", "60s",
+               "--length-scale", str(workload["length_scale"]), "--rate", f"{rate:.4g}", "--duration", "60s",
                "--seed", str(INDEPENDENT_SEED), "--slo-p99-tbt", f"{slo['tbt_p99']}s", "--json", "--quiet",
                "--out", str(folder)]
+        if workload.get("output_scale") is not None:
+            cmd += ["--output-scale", str(workload["output_scale"])]
         if slo.get("ttft_p99"):
             cmd += ["--slo-p99-ttft", f"{slo['ttft_p99']}s"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -90,8 +97,8 @@ def reproducibility(out: Path, runs: int) -> dict[str, Any]:
         if not cap or r.get("verdict") is None:
             continue
         folder = base / f"run-{i}" / "independent"
-        checks.append({"run": i, "tuned": loadtest(tuned["knobs"], cap, r["slo"], folder / "tuned"),
-                       "default": loadtest(r["default"]["knobs"], cap, r["slo"], folder / "default")})
+        checks.append({"run": i, "tuned": loadtest(tuned["knobs"], cap, r["slo"], r["workload"], folder / "tuned"),
+                       "default": loadtest(r["default"]["knobs"], cap, r["slo"], r["workload"], folder / "default")})
     intervals = [((r.get("tuned") or {}).get("capacity_req_per_s") or {}) for r in results]
     overlap = all(a.get("low") is not None and b.get("high") is not None and a["low"] <= (b["high"] or 1e9)
                   and b["low"] <= (a["high"] or 1e9) for a in intervals for b in intervals) if intervals else False

@@ -105,6 +105,9 @@ def test_the_futility_rule_gives_up_only_where_the_cap_could_not_show_the_share(
     assert cannot_meet_by_cap(f(20, 22), 3, 8, spec)  # 91 % of 22, the cap ~59 requests: cannot show 90 %
     assert not cannot_meet_by_cap(f(21, 22), 3, 30, spec)  # ~220 requests at the cap can still show it
     assert not cannot_meet_by_cap(f(7, 7), 1, 8, spec)  # a good start: go on
+    # one miss in the first 8 of ~56: "met" then needs all the rest to attain, which a 99 % config often does
+    assert not cannot_meet_by_cap(f(7, 8), 1, 7, spec)
+    assert cannot_meet_by_cap(f(10, 13), 1, 4, spec)  # three misses in 13 of ~52: "met" is out of reach
     assert not cannot_meet_by_cap(f(10, 22), 3, 8, spec)  # missed already decides; not the futility rule's case
     assert not cannot_meet_by_cap(f(20, 22), 8, 8, spec)  # at the cap there is nothing left to give up
 

@@ -27,7 +27,7 @@ def test_default_policy_loads_and_is_attainable_shaped() -> None:
     assert [str(c) for c in p.constraints] == ["chunk_size <= max_num_batched_tokens",
                                                "max_num_seqs <= max_num_batched_tokens"]
     assert p.rate is None and p.sampler == "tpe" and p.objective == "capacity"
-    assert p.slo.ttft_p99 == pytest.approx(2.0) and p.workload.output_scale == 1.0
+    assert p.slo.ttft_p99 == pytest.approx(2.0) and p.workload.output_scale == 0.25
     assert p.measurement.level == 0.95 and p.measurement.min_gaps == 400 and p.measurement.cap == 45.0
     assert p.capacity.resolution == 0.15 and p.verdict.max_rounds == 4 and p.verdict.budget == 300.0
     assert p.time_budget == 840.0

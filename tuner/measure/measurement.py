@@ -12,8 +12,8 @@ records of all its windows give:
 The measurement stops as soon as it is decided (:func:`should_stop`): attainment "missed" (no more data can make
 the config serve this rate), or attainment "met" with the p99 TBT interval on one side of the target (after at
 least ``min_gaps`` gaps). It also stops, "undecided", once the cap can no longer show the share met
-(:func:`cannot_meet_by_cap`: even an optimistic reading of the attainment so far, projected over the requests the
-cap holds, leaves the share's lower bound below the target): an attainment at the edge, 93 % against 90 %, needs
+(:func:`cannot_meet_by_cap`: "met" needs nearly all of the requests the cap holds to attain, and at an optimistic
+reading of the attainment so far the rest are unlikely to): an attainment at the edge, 93 % against 90 %, needs
 hundreds of requests, and more windows only spend the run's time. At the cap (``max_segments``) whatever is still
 undecided is reported as "undecided", never as met or missed. A segment that fails (rejected config, crashed engine, failed
 load test) ends the measurement as "missed" with its reason, as a failed trial always was.
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+from scipy import stats
 
 from loadtest.records import RequestRecord, read_records
 from loadtest.summary import SLO, attains, token_gaps
@@ -128,20 +129,43 @@ def should_stop(f: Figures) -> bool:
     return f.verdicts["attainment"] == "met" and f.verdicts.get("tbt_p99", "met") != "undecided"
 
 
-# The optimistic reading of an attainment for the futility rule: the upper end of a one-sided 80 % interval, so a
-# config whose true share clears the target is rarely given up on after an unlucky start.
+# The futility rule's optimistic reading of an attainment: the upper end of a one-sided 80 % interval of the share
+# so far; and the chance of still reaching "met" by the cap below which the measurement gives up.
 OPTIMISTIC_LEVEL = 0.6
+FUTILITY_CHANCE = 0.05
+
+
+def fewest_attaining_to_show(requests: int, spec: MeasurementSpec) -> int | None:
+    """The fewest attaining requests out of ``requests`` whose interval's lower end reaches the target share
+    (None: not even all of them do)."""
+    def shows(k: int) -> bool:
+        return proportion_interval(k, requests, spec.level).low >= spec.target_share
+
+    if requests <= 0 or not shows(requests):
+        return None
+    lo, hi = 0, requests  # shows(hi) holds; the lower bound grows with k
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if shows(mid) else (mid, hi)
+    return hi
 
 
 def cannot_meet_by_cap(f: Figures, segments_done: int, cap_segments: int, spec: MeasurementSpec) -> bool:
-    """Futility: the attainment is undecided and cannot be shown met by the cap. The requests the cap holds are
-    projected from those so far; even at an optimistic share (:data:`OPTIMISTIC_LEVEL`), their interval's lower end
-    stays below the target share."""
+    """Futility: the attainment is undecided and, by the cap, "met" is out of reach or nearly so. The requests the
+    cap holds are projected from those so far; "met" needs all but a few of them to attain (one failure in ~55 at
+    the smallest cap), and the chance that the rest fail no more than that, at an optimistic share
+    (:data:`OPTIMISTIC_LEVEL`), is below :data:`FUTILITY_CHANCE`."""
     if f.verdicts["attainment"] != "undecided" or segments_done >= cap_segments or f.requests == 0:
         return False
     at_cap = math.ceil(f.requests * cap_segments / segments_done)
+    need = fewest_attaining_to_show(at_cap, spec)
+    if need is None:
+        return True
+    failures_left = (at_cap - need) - (f.requests - f.attaining)
+    if failures_left < 0:
+        return True
     share = proportion_interval(f.attaining, f.requests, OPTIMISTIC_LEVEL).high
-    return proportion_interval(math.floor(share * at_cap), at_cap, spec.level).low < spec.target_share
+    return float(stats.binom.cdf(failures_left, at_cap - f.requests, 1.0 - share)) < FUTILITY_CHANCE
 
 
 @dataclass
