@@ -151,20 +151,26 @@ class CapacityRun:
                         key=lambda t: -t.values[0])[:self.p.verdict.candidates]
         start = self.p.capacity.start_rate
 
-        def c(name: str, t: optuna.trial.FrozenTrial) -> Contender:
-            # a config that served no rate starts its rounds where its search stopped: the lowest rate not shown
-            high = (t.user_attrs["capacity"].get("bracket") or [None, None])[1]
-            return Contender(name, dict(t.user_attrs["knobs"]), t.values[0] if t.values[0] > 0 else high or start)
+        def high(t: optuna.trial.FrozenTrial) -> float | None:
+            return (t.user_attrs["capacity"].get("bracket") or [None, None])[1]
 
-        return c(DEFAULT, default), [c(f"candidate {i + 1} (trial #{t.number})", t) for i, t in enumerate(others)]
+        def c(name: str, t: optuna.trial.FrozenTrial, at: float | None) -> Contender:
+            return Contender(name, dict(t.user_attrs["knobs"]), at or start)
+
+        # the default's rounds start at its ceiling (the lowest rate its search did not show served), a candidate's
+        # at its capacity: the two sides of the ratio's lower end
+        return (c(DEFAULT, default, high(default) or (default.values[0] or None)),
+                [c(f"candidate {i + 1} (trial #{t.number})", t, t.values[0]) for i, t in enumerate(others)])
 
     def round_capacity(self, c: Contender, draw: int) -> tuple[float, float, float | None]:
         """A short rate search around the contender's capacity on arrival draw ``draw``: (the highest rate shown
-        served, 0 if none; the lowest not shown served; output tokens/s at the first)."""
+        served, 0 if none; the lowest not shown served; output tokens/s at the first). It stops once the side the
+        ratio's lower end needs is known: a candidate's served rate (it starts at its capacity), the default's
+        ceiling (it starts at its lowest rate not shown served), so that a round costs about one probe each."""
         res = self.p.capacity.resolution
         folder = self.s.trials_dir / "verdict" / f"draw-{draw}" / c.name.split(" (")[0].replace(" ", "-")
         cap = self.searcher.search(c.knobs, folder, draw=draw, start=c.start, step=1 + 2 * res, max_probes=2,
-                                   remember=False)
+                                   remember=False, closes="high" if c.name == DEFAULT else "low")
         say(f"  {c.name}, draw {draw}: {cap.describe()}")
         return cap.low, cap.high, cap.output_tokens_per_s
 
@@ -176,7 +182,9 @@ class CapacityRun:
         say(f"{PROG}: paired verdict: the default and {len(candidates)} candidate(s), fresh arrival draws, the same "
             f"draw for every config in a round, up to {p.verdict.max_rounds} rounds or "
             f"{format_duration(p.verdict.budget)} ...")
-        result = paired_verdict(default, candidates, self.round_capacity, p.verdict.max_rounds, p.verdict.budget,
+        # the verdict gets its budget, or what is left of the run's when the searches ran late (two rounds at least)
+        budget = max(0.0, min(p.verdict.budget, self.s.started + p.time_budget - time.monotonic()))
+        result = paired_verdict(default, candidates, self.round_capacity, p.verdict.max_rounds, budget,
                                 p.measurement.level, on_round=self.round_line)
         chosen, held = self.choose(result)
         return self.write(result, chosen, held)

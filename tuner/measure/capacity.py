@@ -99,10 +99,11 @@ def next_rate(low: float, high: float, start: float, step: float) -> float:
 def search_capacity(probe: Callable[[float], Measurement], knobs: dict[str, Any], start: float,
                     resolution: float = 0.15, max_probes: int = 6, step: float = 2.0,
                     on_probe: Callable[[Measurement], None] | None = None,
-                    can_show_met: Callable[[float], bool] | None = None) -> Capacity:
+                    can_show_met: Callable[[float], bool] | None = None, closes: str | None = None) -> Capacity:
     """Bracket and bisect the capacity of ``knobs``; ``probe(rate)`` measures it at a rate. ``can_show_met(rate)``
     (MeasurementSpec.can_show_met): whether a measurement at that rate holds enough requests to show the share met;
-    with no rate served yet, the search does not go down to a rate that cannot."""
+    with no rate served yet, the search does not go down to a rate that cannot. ``closes`` ("low" or "high"): stop
+    as soon as that side of the bracket is known (a verdict round needs only one side of each config's)."""
     cap = Capacity(dict(knobs), resolution=resolution)
     while len(cap.probes) < max_probes:
         rate = next_rate(cap.low, cap.high, start, step)
@@ -126,6 +127,9 @@ def search_capacity(probe: Callable[[float], Measurement], knobs: dict[str, Any]
             return cap
         if cap.low > 0 and cap.high <= cap.low:  # a lower rate failed after a higher one served: noise; keep both
             cap.high = cap.low * (1 + resolution)
+        if (closes == "low" and cap.low > 0) or (closes == "high" and math.isfinite(cap.high)):
+            cap.stopped = f"the {closes} side is known"
+            return cap
         if cap.resolved:
             cap.stopped = f"bracket within {resolution:.0%}"
             return cap
@@ -183,7 +187,8 @@ class CapacitySearcher:
     on_probe: Callable[[Measurement], None] | None = None
 
     def search(self, knobs: dict[str, Any], out_dir: Path, draw: int = 0, start: float | None = None,
-               step: float | None = None, max_probes: int | None = None, remember: bool = True) -> Capacity:
+               step: float | None = None, max_probes: int | None = None, remember: bool = True,
+               closes: str | None = None) -> Capacity:
         first, first_step = start_from_known(knobs, self.known, self.names, self.start_rate)
         probes: list[int] = []
 
@@ -195,7 +200,7 @@ class CapacitySearcher:
         first = max(start if start is not None else first, self.spec.lowest_rate_to_show())
         cap = search_capacity(probe, knobs, first, self.resolution,
                               max_probes or self.max_probes, step or first_step, self.on_probe,
-                              self.spec.can_show_met)
+                              self.spec.can_show_met, closes)
         if remember and not cap.rejected:
             self.known.append((cap.knobs, cap.low, cap.high))
         return cap
