@@ -344,5 +344,5 @@ def test_a_verdict_round_stops_once_the_side_it_needs_is_known() -> None:
     high = search_capacity(truth(2.1), {}, start=2.5, step=1.3, max_probes=2, closes="high")
     assert [m.rate for m in high.probes] == [2.5] and high.high == 2.5 and high.low == 0.0
     # the default served its old ceiling this round: go up until it does not (the ceiling is what the ratio needs)
-    up = search_capacity(truth(2.1), {}, start=1.5, step=1.3, max_probes=2, closes="high")
+    up = search_capacity(truth(1.7), {}, start=1.5, step=1.3, max_probes=2, closes="high")
     assert [m.rate for m in up.probes] == [1.5, 1.5 * 1.3] and up.low == 1.5 and up.high == 1.5 * 1.3
