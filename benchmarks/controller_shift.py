@@ -3,6 +3,7 @@ the config tuned for phase one, and for the controller (``slotune control`` star
 
     PYTHONPATH=. python benchmarks/controller_shift.py --out build/controller-shift            # 2 x 5 min per arm (~40 min)
     PYTHONPATH=. python benchmarks/controller_shift.py --phase-seconds 60 --out /tmp/shift     # a short look (~10 min)
+    PYTHONPATH=. python benchmarks/controller_shift.py --out build/controller-shift --rerun controller  # one arm again
 
 Each arm gets a fresh engine and the same two Locust runs back to back (same seeds: the same arrival draws):
 phase one ``--mix`` at ``--rate``, phase two ``--mix2`` (default: the same mix) at ``--rate2`` (default: four
@@ -186,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle", type=float, default=120.0, help="seconds after each phase starts not judged")
     p.add_argument("--bin", type=float, default=20.0, help="seconds per point of the attainment curve")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rerun", nargs="+", choices=("default", "phase1_tuned", "controller"), default=None,
+                   help="run only these arms again; the others are read from OUT/controller_shift.json")
     p.add_argument("--phase1-config", default=None, help="JSON knobs of the config tuned for phase one (default: "
                    f"{json.dumps(PHASE_ONE_CONFIG)})")
     args = p.parse_args(argv)
@@ -196,7 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     arms = [Arm("default", {}), Arm("phase1_tuned", phase_one), Arm("controller", phase_one, controlled=True)]
     started = time.time()
     results = []
+    earlier = {}
+    if args.rerun:  # the other arms' results from OUT's earlier run with the same arguments
+        earlier = {r["arm"]: r for r in json.loads((out / "controller_shift.json").read_text())["arms"]}
     for arm in arms:
+        if arm.name in earlier and arm.name not in args.rerun:
+            results.append(earlier[arm.name])
+            continue
         print(f"arm {arm.name} ...", file=sys.stderr, flush=True)
         results.append(run_arm(arm, args, out / arm.name, slo))
     report = {"cpu": _cpu_name(), "machine": platform.machine(), "args": vars(args), "slo": slo.as_dict(),

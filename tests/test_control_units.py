@@ -444,3 +444,29 @@ def test_a_rate_shift_long_after_the_start_is_drift_even_at_a_rate_too_low_for_o
     assert controller.history[0].time > 100  # the reference's scrapes are long gone
     assert fired_at is not None and fired_at <= 300 + 60, fired_at
     assert controller.reference is not None and controller.reference.requests >= 20
+
+
+def test_the_retune_workload_follows_the_live_length_histograms() -> None:
+    from loadtest.workloads import open_workload
+    from tuner.control.candidates import length_ranges, live_workload
+
+    bounds = tuple(float(b) for b in LENGTH_BUCKETS) + (math.inf,)
+
+    def lengths(filled: dict[float, int], total: float) -> Lengths:
+        return Lengths(bounds, tuple(float(filled.get(b, 0)) for b in bounds), total)
+
+    prompts = lengths({20: 30, 200: 10}, 30 * 16 + 10 * 150)  # 75 % short prompts, 25 % of 101-200 tokens
+    outputs = lengths({50: 40}, 40 * 30)
+    assert length_ranges(prompts) == [(11, 20, 30.0), (101, 200, 10.0)]
+    shape = Shape(seconds=60.0, requests=40, prompt_means=(), output_means=(), prefix_hit_rate=0.0,
+                  prompt_lengths=prompts, output_lengths=outputs)
+    spec = live_workload(shape)
+    assert spec.mix == "p0o0=11-20:21-50,p1o0=101-200:21-50" and spec.mix_weights == "75:25"
+    workload = open_workload("mixed", mix=spec.mix or "", mix_weights=spec.mix_weights or "")
+    drawn = [r for _, r in zip(range(400), workload.specs())]
+    short = sum(11 <= r.prompt_len <= 20 for r in drawn)
+    assert short == 300 and all(101 <= r.prompt_len <= 200 for r in drawn if r.prompt_len > 20)
+    assert all(21 <= r.output_len <= 50 for r in drawn)
+    # without histograms (a source that only counts tokens): one class around the means
+    plain = Shape(seconds=60.0, requests=40, prompt_means=(100.0,), output_means=(20.0,), prefix_hit_rate=0.0)
+    assert live_workload(plain).mix == "live=50-150:10-30"

@@ -14,11 +14,13 @@ from loadtest.summary import SLO
 from policies import Policy, WorkloadSpec
 from tuner.control.guardrails import changed, move_policy, project, within
 from tuner.control.shape import Shape
+from tuner.control.window import Lengths
 from tuner.search.screening import COMPARED, sample_configs
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.trials.trial_runner import TrialOutcome
 
-LENGTH_SPREAD = 0.5  # the rebuilt workload's lengths: uniform within +-50 % of the live means
+LENGTH_SPREAD = 0.5  # without length histograms: lengths uniform within +-50 % of the live means
+WEIGHT_UNITS = 100  # the rebuilt mix's weights add up to about this
 MIN_GAIN = 0.05  # a candidate must beat the applied config's predicted goodput by this much (or its attainment)
 
 
@@ -58,13 +60,40 @@ class Search:
 
 
 def live_workload(shape: Shape) -> WorkloadSpec:
-    """A one-class mixed workload with the live mean prompt and output lengths (+-50 %)."""
+    """The live traffic as a mixed workload. With the engine's length histograms: one class per pair of a prompt
+    bucket and an output bucket that finished requests fell in, its lengths uniform within the buckets and its
+    weight the product of the two buckets' counts (the histograms are marginals: prompt and output lengths are
+    taken as independent). Without them (a source that only counts tokens): one class within +-50 % of the means."""
+    prompts, outputs = length_ranges(shape.prompt_lengths), length_ranges(shape.output_lengths)
+    if prompts and outputs:
+        total = sum(pc for _, _, pc in prompts) * sum(oc for _, _, oc in outputs)
+        # weights in percent of the traffic (the mixed workload deals each block of sum(weights) requests exactly);
+        # a pair under half a percent is left out
+        classes = [(f"p{i}o{j}", f"{pl}-{ph}:{ol}-{oh}", round(WEIGHT_UNITS * pc * oc / total))
+                   for i, (pl, ph, pc) in enumerate(prompts) for j, (ol, oh, oc) in enumerate(outputs)]
+        classes = [c for c in classes if c[2] > 0] or [max(classes, key=lambda c: c[2])[:2] + (1,)]
+        return WorkloadSpec(name="mixed", length_scale=1.0, mix=",".join(f"{n}={spec}" for n, spec, _ in classes),
+                            mix_weights=":".join(str(w) for _, _, w in classes))
+
     def span(mean: float) -> str:
         m = max(1.0, mean if math.isfinite(mean) else 1.0)
         return f"{max(1, round(m * (1 - LENGTH_SPREAD)))}-{max(1, round(m * (1 + LENGTH_SPREAD)))}"
 
     return WorkloadSpec(name="mixed", length_scale=1.0, mix=f"live={span(shape.mean_prompt)}:{span(shape.mean_output)}",
                         mix_weights="1")
+
+
+def length_ranges(lengths: Lengths) -> list[tuple[int, int, float]]:
+    """(lowest, highest length, requests) of each bucket a histogram's window filled. A bucket spans from above the
+    previous bound to its own; the last (+Inf) one from above the highest bound to twice it."""
+    out = []
+    below = 0.0
+    for bound, count in zip(lengths.bounds, lengths.counts):
+        if count > 0:
+            high = bound if math.isfinite(bound) else 2 * max(below, 1.0)
+            out.append((int(below) + 1, max(int(below) + 1, int(high)), float(count)))
+        below = bound if math.isfinite(bound) else below
+    return out
 
 
 def refitted_model(steps: list[dict[str, Any]], block_size: int, profile: str | Path | None) -> Any:

@@ -253,9 +253,14 @@ class Controller:
             shape = self.recent_shape() or self.shape_between(before.start, before.end)
             if shape is None:  # the counters reset under us (an engine restart): judge again on fresh windows
                 return
-            found = search(self.policy, current, resolved, shape, recent_steps, self.study_knobs(),
-                           target=self.policy.control.triggers.attainment_target, profile=self.profile,
-                           seed=self.state.next_id)
+            try:
+                found = search(self.policy, current, resolved, shape, recent_steps, self.study_knobs(),
+                               target=self.policy.control.triggers.attainment_target, profile=self.profile,
+                               seed=self.state.next_id)
+            except Exception as error:  # a retune that fails is a decision not to move; the controller keeps watching
+                self.decide("no_move", trigger, f"the retune failed: {type(error).__name__}: {error}",
+                            before=before.as_dict(), shape=shape.as_dict())
+                return
         evidence: dict[str, Any] = {"before": before.as_dict(), "search": found.as_dict()}
         if found.candidate is None:
             self.decide("no_move", trigger, found.reason, **evidence)
