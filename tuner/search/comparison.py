@@ -28,7 +28,7 @@ import optuna
 from loadtest.summary import SLO
 from policies import Choices, IntRange, Policy
 from tuner.search.objective import goodput, slo_constraints
-from tuner.search.study import TrialReport, enqueue_default, feasible, make_sampler, run_trials
+from tuner.search.study import TrialReport, enqueue_default, make_sampler, run_trials
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.trials.trial_runner import TrialOutcome
 
@@ -136,11 +136,8 @@ def run_method(method: str, policy: Policy, table: dict[str, Point], trials: int
     if default is not None:
         backend.table = {**backend.table, key({}): default}
 
-    def on_trial(r: TrialReport) -> None:
-        nonlocal best
-        t = r.best
-        best = t.values[0] if t is not None and feasible(t) else best
-        curve.append(best)
+    def on_trial(r: TrialReport) -> None:  # the study's best trial is its best feasible one (study.best_trial)
+        curve.append(r.best.values[0] if r.best is not None else 0.0)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # experimental-feature notices
