@@ -42,7 +42,7 @@ def test_the_capacity_flow_on_the_simulator_writes_capacities_intervals_and_a_ve
     assert rc == 0, out
     assert "floor: batch-1 p99 TBT" in out and "screened" in out
     assert re.search(r"\[1/3\] #0 default config \| capacity [\d.]+ req/s \(bracket ", out), out
-    assert re.search(r"round 2: default ", out), out
+    assert re.search(r"round 1: default .*; candidate 1 .* (better|not better|undecided)", out), out
     last = out.strip().splitlines()[-1]
     assert last.startswith(("tuned serves ", "no config beats the default beyond the noise")), last
     assert "p99 TBT <= 50ms and p99 TTFT <= 2.00s" in last
@@ -50,7 +50,9 @@ def test_the_capacity_flow_on_the_simulator_writes_capacities_intervals_and_a_ve
     assert doc["objective"] == "capacity" and doc["evidence"]["verdict_line"] == last
     for side in ("tuned", "default"):
         cap = doc[side]["capacity_req_per_s"]
-        assert {"value", "low", "high", "level", "n"} <= set(cap) and len(doc[side]["rounds_req_per_s"]) >= 2
+        assert {"value", "low", "high", "level", "n"} <= set(cap) and doc[side]["rounds"] >= 1
+        # fresh draws pooled per rate: counts a reader can check against the interval
+        assert all(p["requests"] >= p["attaining"] >= 0 for p in doc[side]["pools"])
     if last.startswith("tuned serves"):
         ratio = doc["tuned"]["ratio_to_default"]
         assert ratio["low"] > 1.0 and not doc["evidence"]["tuned_is_default"] and doc["evidence"]["held"]

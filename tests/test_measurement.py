@@ -1,10 +1,9 @@
-"""The measurement's stopping rule, the capacity search and the paired verdict, on scripted trials with known
+"""The measurement's stopping rule and the capacity search, on scripted trials with known
 answers (no engine: each scripted trial writes a real trial folder of records that the measurement reads back)."""
 
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,6 @@ from tuner.measure.capacity import knob_distance, next_rate, search_capacity, st
 from tuner.measure.measurement import Figures, Measurement, MeasurementSpec, figures, measure, should_stop
 from tuner.measure.statistics import Interval, Verdict
 from tuner.trials.trial_runner import TrialOutcome
-from tuner.measure.verdict import Contender, paired_verdict, verdict_line
 
 SLO_50MS = SLO(tbt_p99=0.050, ttft_p99=2.0)
 
@@ -92,7 +90,7 @@ def test_an_attainment_at_the_edge_stops_undecided_once_the_cap_cannot_decide_it
 
 
 def test_the_futility_rule_gives_up_only_where_the_cap_could_not_show_the_share() -> None:
-    from tuner.measure.measurement import cannot_meet_by_cap
+    from tuner.measure.measurement import cannot_reach_by_cap
 
     spec = MeasurementSpec()
 
@@ -102,14 +100,14 @@ def test_the_futility_rule_gives_up_only_where_the_cap_could_not_show_the_share(
             r.status = "error"
         return figures(recs, SLO_50MS, spec)
 
-    assert cannot_meet_by_cap(f(20, 22), 3, 8, spec)  # 91 % of 22, the cap ~59 requests: cannot show 90 %
-    assert not cannot_meet_by_cap(f(21, 22), 3, 30, spec)  # ~220 requests at the cap can still show it
-    assert not cannot_meet_by_cap(f(7, 7), 1, 8, spec)  # a good start: go on
+    assert cannot_reach_by_cap(f(20, 22), 3, 8, spec)  # 91 % of 22, the cap ~59 requests: cannot show 90 %
+    assert not cannot_reach_by_cap(f(21, 22), 3, 30, spec)  # ~220 requests at the cap can still show it
+    assert not cannot_reach_by_cap(f(7, 7), 1, 8, spec)  # a good start: go on
     # one miss in the first 8 of ~56: "met" then needs all the rest to attain, which a 99 % config often does
-    assert not cannot_meet_by_cap(f(7, 8), 1, 7, spec)
-    assert cannot_meet_by_cap(f(10, 13), 1, 4, spec)  # three misses in 13 of ~52: "met" is out of reach
-    assert not cannot_meet_by_cap(f(10, 22), 3, 8, spec)  # missed already decides; not the futility rule's case
-    assert not cannot_meet_by_cap(f(20, 22), 8, 8, spec)  # at the cap there is nothing left to give up
+    assert not cannot_reach_by_cap(f(7, 8), 1, 7, spec)
+    assert cannot_reach_by_cap(f(10, 13), 1, 4, spec)  # three misses in 13 of ~52: "met" is out of reach
+    assert not cannot_reach_by_cap(f(10, 22), 3, 8, spec)  # missed already decides; not the futility rule's case
+    assert not cannot_reach_by_cap(f(20, 22), 8, 8, spec)  # at the cap there is nothing left to give up
 
 
 def test_a_rate_whose_cap_holds_too_few_requests_cannot_show_the_share() -> None:
@@ -183,66 +181,6 @@ def test_known_neighbours_start_the_search_near_their_capacity() -> None:
     cap = search_capacity(truth(2.1), {}, start=2.0, step=1.5, resolution=0.15, max_probes=8)
     assert cap.resolved and len(cap.probes) <= 4
     assert next_rate(0.0, math.inf, 1.0, 2.0) == 1.0 and next_rate(1.0, 4.0, 1.0, 2.0) == 2.0
-
-
-def crn_round_capacity(capacities: dict[str, float], sigma_draw: float = 0.15, sigma_own: float = 0.03) -> Any:
-    """A round's capacity: the true one times a factor shared by every config on that draw (the arrival draw's
-    luck) and a small factor of its own."""
-    def round_capacity(c: Contender, draw: int) -> tuple[float, float, float]:
-        shared = np.random.default_rng([draw]).normal(0.0, sigma_draw)
-        own = np.random.default_rng([draw, zlib.crc32(c.name.encode())]).normal(0.0, sigma_own)
-        cap = capacities[c.name] * math.exp(shared + own)
-        return cap, cap * 1.15, 100.0
-    return round_capacity
-
-
-def test_the_paired_verdict_finds_no_difference_between_two_draws_of_one_config() -> None:
-    # two copies of one config: over many verdicts, "better" or "worse" at most about as often as the level allows
-    # (each verdict looks after every round: the per-look level keeps the overall error near 5 %)
-    wrong = 0
-    verdicts = 60
-    for first in range(0, 1000 * verdicts, 1000):
-        d = Contender("default", {"max_num_seqs": 64}, 2.0)
-        same = Contender("candidate 1", {"max_num_seqs": 64}, 2.0)
-        r = paired_verdict(d, [same], crn_round_capacity({"default": 2.0, "candidate 1": 2.0}), max_rounds=6,
-                           first_draw=first)
-        if r.winner is not None or not r.ratio(same).contains(1.0):
-            wrong += 1
-        else:
-            assert "no config beats the default beyond the noise" in verdict_line(r, "p99 TBT <= 50ms")
-    assert wrong / verdicts <= 0.10, wrong
-
-
-def test_the_paired_verdict_names_the_better_config_and_stops_early() -> None:
-    d = Contender("default", {"max_num_seqs": 64}, 2.0)
-    worse = Contender("candidate 2", {"max_num_seqs": 1}, 1.0)
-    better = Contender("candidate 1", {"max_num_seqs": 8}, 3.0)
-    r = paired_verdict(d, [better, worse], crn_round_capacity({"default": 2.0, "candidate 1": 3.0,
-                                                               "candidate 2": 1.0}), max_rounds=8)
-    assert r.winner is better and len(d.rounds) < 8  # the shared draw noise cancels: decided in a few rounds
-    ratio = r.ratio(better)
-    assert ratio.low > 1.0 and ratio.contains(1.5)
-    line = verdict_line(r, "p99 TBT <= 50ms and p99 TTFT <= 2s")
-    assert line.startswith("tuned serves ") and "x (" in line and "the default config's" in line
-    # order alternates between rounds: the default first in round 1, last in round 2
-    assert r.as_dict()["winner"] == "candidate 1"
-
-
-def test_the_verdict_stops_when_the_budget_would_be_exceeded() -> None:
-    t = [0.0]
-
-    def clock() -> float:
-        return t[0]
-
-    def slow_round(c: Contender, draw: int) -> tuple[float, float, float]:
-        t[0] += 50.0
-        cap = 2.0 * (1.0 + 0.3 * ((draw + len(c.name)) % 3))
-        return cap, cap * 1.15, 100.0
-
-    d = Contender("default", {}, 2.0)
-    c = Contender("candidate 1", {}, 2.0)
-    r = paired_verdict(d, [c], slow_round, max_rounds=10, budget_s=250.0, clock=clock)
-    assert "time budget" in r.stopped and len(d.rounds) == len(c.rounds) < 10
 
 
 def test_on_the_simulator_the_capacity_bracket_separates_served_from_not_served_rates(tmp_path: Path) -> None:
@@ -325,24 +263,3 @@ def test_the_floor_keeps_the_least_disturbing_arrangement_and_flags_an_slo_below
     again, _ = measure_floor(backend, tmp_path / "again", spec=MeasurementSpec(min_gaps=400, max_segments=2),
                              arrangements=[REALTIME, NORMAL, SEPARATE], arrange=arrange)
     assert again.arrangement == REALTIME.describe() and backend.added == 0.002
-
-
-def test_a_default_that_serves_nothing_reports_capacity_zero_and_the_ratio_errs_low() -> None:
-    d = Contender("default", {}, 1.0)
-    c = Contender("candidate 1", {}, 2.0)
-    r = paired_verdict(d, [c], lambda x, draw: (0.0, 1.0, None) if x is d else (2.0 + 0.01 * (draw % 3), 2.3, 80.0),
-                       max_rounds=3)
-    assert d.capacity().value == 0.0 and d.capacity().high == 1.0
-    ratio = r.ratio(c)
-    assert ratio.value == pytest.approx(2.0, rel=0.05)  # against the default's ceiling: a bound from below
-    assert r.winner is c
-
-
-def test_a_verdict_round_stops_once_the_side_it_needs_is_known() -> None:
-    low = search_capacity(truth(2.1), {}, start=1.8, step=1.3, max_probes=2, closes="low")
-    assert [m.rate for m in low.probes] == [1.8] and low.low == 1.8 and "low side" in low.stopped
-    high = search_capacity(truth(2.1), {}, start=2.5, step=1.3, max_probes=2, closes="high")
-    assert [m.rate for m in high.probes] == [2.5] and high.high == 2.5 and high.low == 0.0
-    # the default served its old ceiling this round: go up until it does not (the ceiling is what the ratio needs)
-    up = search_capacity(truth(1.7), {}, start=1.5, step=1.3, max_probes=2, closes="high")
-    assert [m.rate for m in up.probes] == [1.5, 1.5 * 1.3] and up.low == 1.5 and up.high == 1.5 * 1.3

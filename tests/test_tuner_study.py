@@ -119,6 +119,29 @@ def test_tpe_finds_a_feasible_config_better_than_the_default(tmp_path: Path) -> 
     assert best.values[0] > default_trial(study).values[0]
 
 
+def test_a_trial_that_would_end_past_the_deadline_is_not_started(tmp_path: Path) -> None:
+    import datetime
+
+    from tuner.search.study import longest_trial_s
+
+    policy = goodput_policy().replace(trials=6)
+    study = open_study(open_storage(str(tmp_path / "s.db")), "s", policy)
+    enqueue_default(study)
+    runner = CheapRunner()
+    assert run_trials(study, runner, policy, 6, tmp_path, max_runs=1) == 1
+    assert longest_trial_s(study) < 60
+    # a trial that took two minutes: with 60 s left before the deadline, the next one is not started
+    long = optuna.trial.create_trial(value=1.0, user_attrs={"knobs": {}}, state=TrialState.COMPLETE)
+    long.datetime_complete = datetime.datetime.now()
+    long.datetime_start = long.datetime_complete - datetime.timedelta(seconds=120)
+    study.add_trial(long)
+    assert longest_trial_s(study) == pytest.approx(120.0)
+    calls = len(runner.calls)
+    assert run_trials(study, runner, policy, 8, tmp_path, deadline=time.monotonic() + 60) == 0
+    assert len(runner.calls) == calls
+    assert run_trials(study, runner, policy, 8, tmp_path, deadline=time.monotonic() + 180, max_runs=1) == 1
+
+
 @pytest.mark.parametrize("sampler", ["tpe", "gp"])
 def test_the_default_trial_leaves_the_samplers_joint_search_space_whole(tmp_path: Path, sampler: str) -> None:
     """The default-config trial has no params; seen by TPE (multivariate) or GP it empties the intersection search

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import optuna
@@ -20,12 +21,12 @@ from slotune.units import format_duration
 from loadtest.summary import SLO
 from tuner.measure.capacity import CapacitySearcher, capacity_searcher
 from tuner.measure.floor import measure_floor
-from tuner.measure.measurement import Measurement
+from tuner.measure.measurement import Measurement, measure
 from tuner.output import short_knobs, write_report, write_tuned_yaml, write_vllm
 from tuner.simulation.simulator_trial import SimTrialRunner
-from tuner.search.study import ROLE_DEFAULT, TrialReport, measured, run_trials
+from tuner.search.study import ROLE_DEFAULT, TrialReport, longest_trial_s, measured, run_trials
 from tuner.trials.trial_runner import TrialRunner
-from tuner.measure.verdict import DEFAULT, Contender, VerdictResult, paired_verdict, verdict_line
+from tuner.measure.verdict import DEFAULT, Contender, Sample, VerdictResult, look_level, paired_verdict, verdict_line
 
 if TYPE_CHECKING:
     from tuner.commands.session import TuneSession
@@ -79,13 +80,15 @@ class CapacityRun:
         run_trials(self.study, self.runner, p, p.trials, self.s.trials_dir, on_trial=self.trial_line,
                    searcher=self.searcher, max_runs=1)  # the default config: enqueued first
         self.screen()
-        # the searches stop in time to leave the verdict its budget (a search in flight finishes)
+        # the searches leave the verdict its budget: a search is not started unless the longest so far would end
+        # before that
         deadline = self.s.started + p.time_budget - p.verdict.budget
         run_trials(self.study, self.runner, p, p.trials, self.s.trials_dir, on_trial=self.after_trial,
                    searcher=self.searcher, deadline=deadline)
-        if time.monotonic() > deadline:
+        if len(measured(self.study)) < p.trials:
             say(f"{PROG}: the time budget ({format_duration(p.time_budget)}) leaves the verdict its "
-                f"{format_duration(p.verdict.budget)}: no further configs searched")
+                f"{format_duration(p.verdict.budget)}: no further configs searched (the longest search so far took "
+                f"{format_duration(longest_trial_s(self.study))})")
         return self.finish()
 
     def trial_line(self, r: TrialReport) -> None:
@@ -145,47 +148,59 @@ class CapacityRun:
     # ------------------------------------------------------------------------------------------------ verdict
 
     def contenders(self) -> tuple[Contender, list[Contender]]:
+        """The default config (its search's probes pooled in: nothing selected it for them) and the best
+        candidates by searched capacity (their search probes left out: they were picked for them)."""
         trials = [t for t in measured(self.study) if "capacity" in t.user_attrs]
         default = next(t for t in trials if t.user_attrs.get("role") == ROLE_DEFAULT)
         others = sorted((t for t in trials if t.user_attrs.get("role") != ROLE_DEFAULT and t.values[0] > 0),
                         key=lambda t: -t.values[0])[:self.p.verdict.candidates]
-        start = self.p.capacity.start_rate
 
-        def high(t: optuna.trial.FrozenTrial) -> float | None:
-            return (t.user_attrs["capacity"].get("bracket") or [None, None])[1]
+        def high(t: optuna.trial.FrozenTrial) -> float:
+            h = (t.user_attrs["capacity"].get("bracket") or [None, None])[1]
+            return math.inf if h is None else float(h)
 
-        def c(name: str, t: optuna.trial.FrozenTrial, at: float | None) -> Contender:
-            return Contender(name, dict(t.user_attrs["knobs"]), at or start)
+        # the default is measured first at its ceiling (the lowest rate its search did not show served)
+        d_high = high(default)
+        d = Contender(DEFAULT, dict(default.user_attrs["knobs"]),
+                      d_high if math.isfinite(d_high) else max(default.values[0], self.p.capacity.start_rate),
+                      search_high=d_high)
+        for probe in default.user_attrs["capacity"].get("probes") or []:
+            if "requests" in probe:
+                d.add(Sample(probe["rate"], -1, int(probe["attaining"]), int(probe["requests"]), probe.get("reason"),
+                             probe.get("output_tokens_per_s"), probe.get("describe", "")), self.p.measurement.level)
+        return d, [Contender(f"candidate {i + 1} (trial #{t.number})", dict(t.user_attrs["knobs"]), t.values[0],
+                             search_high=high(t)) for i, t in enumerate(others)]
 
-        # the default's rounds start at its ceiling (the lowest rate its search did not show served), a candidate's
-        # at its capacity: the two sides of the ratio's lower end
-        return (c(DEFAULT, default, high(default) or (default.values[0] or None)),
-                [c(f"candidate {i + 1} (trial #{t.number})", t, t.values[0]) for i, t in enumerate(others)])
-
-    def round_capacity(self, c: Contender, draw: int) -> tuple[float, float, float | None]:
-        """A short rate search around the contender's capacity on arrival draw ``draw``: (the highest rate shown
-        served, 0 if none; the lowest not shown served; output tokens/s at the first). It stops once the side the
-        ratio's lower end needs is known: a candidate's served rate (it starts at its capacity), the default's
-        ceiling (it starts at its lowest rate not shown served), so that a round costs about one probe each."""
-        res = self.p.capacity.resolution
-        folder = self.s.trials_dir / "verdict" / f"draw-{draw}" / c.name.split(" (")[0].replace(" ", "-")
-        cap = self.searcher.search(c.knobs, folder, draw=draw, start=c.start, step=1 + 2 * res, max_probes=2,
-                                   remember=False, closes="high" if c.name == DEFAULT else "low")
-        say(f"  {c.name}, draw {draw}: {cap.describe()}")
-        return cap.low, cap.high, cap.output_tokens_per_s
+    def measure_at(self, c: Contender, rate: float, draw: int) -> Sample:
+        """One measurement of the contender at ``rate`` on arrival draw ``draw``, sized at the verdict's per-look
+        level (so that one round can decide)."""
+        folder = (self.s.trials_dir / "verdict" / f"draw-{draw}" / c.name.split(" (")[0].replace(" ", "-")
+                  / f"rate-{rate:.4g}")
+        spec = replace(self.searcher.spec, level=look_level(self.p.measurement.level, self.p.verdict.max_rounds))
+        m = measure(self.runner, c.knobs, rate, folder, draw, spec, aim="missed" if c.is_default else "met")
+        say(f"  {c.name}, draw {draw}, {rate:.3g} req/s: {m.describe()}")
+        f = m.figures
+        return Sample(rate, draw, f.attaining if f else 0, f.requests if f else 0, m.reason, m.output_tokens_per_s,
+                      m.describe())
 
     def finish(self) -> int:
         p = self.p
         default, candidates = self.contenders()
         if not candidates and not any(t.values[0] > 0 for t in measured(self.study) if "capacity" in t.user_attrs):
             return self.none_shown()
-        say(f"{PROG}: paired verdict: the default and {len(candidates)} candidate(s), fresh arrival draws, the same "
-            f"draw for every config in a round, up to {p.verdict.max_rounds} rounds or "
+        say(f"{PROG}: verdict: the default and {len(candidates)} candidate(s) at fixed rates (a candidate at its "
+            f"claimed capacity, the default at its ceiling), requests pooled per rate over fresh arrival draws, the "
+            f"same draw for every config in a round, up to {p.verdict.max_rounds} rounds or "
             f"{format_duration(p.verdict.budget)} ...")
         # the verdict gets its budget, or what is left of the run's when the searches ran late (two rounds at least)
         budget = max(0.0, min(p.verdict.budget, self.s.started + p.time_budget - time.monotonic()))
-        result = paired_verdict(default, candidates, self.round_capacity, p.verdict.max_rounds, budget,
-                                p.measurement.level, on_round=self.round_line)
+        # a candidate steps down no lower than the default's capacity (below it, shown served cannot be better) nor
+        # than the lowest rate a measurement can show served at
+        floor = max(default.shown_served(),
+                    self.searcher.spec.lowest_rate_to_show())
+        result = paired_verdict(default, candidates, self.measure_at, p.verdict.max_rounds, budget,
+                                p.measurement.level, step=1 + 2 * p.capacity.resolution, floor=floor,
+                                on_round=self.round_line)
         chosen, held = self.choose(result)
         return self.write(result, chosen, held)
 
@@ -226,17 +241,23 @@ class CapacityRun:
         return rows
 
     def round_line(self, r: int, result: VerdictResult) -> None:
-        parts = [f"{c.name.split(' (')[0]} {c.capacity(result.level).format(' req/s', 1, 3)}"
+        parts = [f"{c.name.split(' (')[0]} {c.capacity().format(' req/s', 1, 3)}"
+                 + ("" if c.is_default else f" {result.outcome(c)}")
                  for c in [result.default] + result.candidates]
         say(f"  round {r}: " + "; ".join(parts))
 
     def choose(self, result: VerdictResult) -> tuple[Contender, bool]:
-        """The winner when it held in every round (served some rate each time), else the safest config."""
+        """The winner (shown on fresh draws to serve a rate the default is shown to miss), else the safest config;
+        a candidate whose claim did not hold on fresh draws is said so."""
         w = result.winner
-        if w is not None and all(v > 0 for v in w.rounds) and all(math.isfinite(v) for v in w.rounds):
-            return w, True
         if w is not None:
-            say(f"{PROG}: {w.name} failed its re-measurement in a round: not written as tuned; falling back")
+            if w.capacity().value < w.claim * (1 - 1e-9):
+                say(f"{PROG}: {w.name} did not hold its searched capacity {w.claim:.3g} req/s on fresh draws; its "
+                    f"capacity is what they showed, {w.capacity().value:.3g} req/s")
+            return w, True
+        for c in result.candidates:
+            if c.shown_served() <= 0:
+                say(f"{PROG}: {c.name} was not shown to serve any rate on fresh draws: not written as tuned")
         return result.safest, False
 
     def write(self, result: VerdictResult, chosen: Contender, held: bool) -> int:
@@ -270,12 +291,13 @@ def slo_words(slo: dict[str, float | None]) -> str:
 def capacity_section(result: VerdictResult, chosen: Contender) -> dict[str, Any]:
     """tuned.yaml's ``tuned`` and ``default``: each config's capacity (req/s) with its interval, and the ratio."""
     def entry(c: Contender) -> dict[str, Any]:
-        tokens = [t for t in c.tokens if t is not None and math.isfinite(t)]
-        return {"name": c.name, "knobs": c.knobs, "capacity_req_per_s": c.capacity(result.level).as_dict(),
-                "rounds_req_per_s": c.rounds, "output_tokens_per_s": sum(tokens) / len(tokens) if tokens else None}
+        cap = c.capacity()
+        return {"name": c.name, "knobs": c.knobs, "capacity_req_per_s": cap.as_dict(),
+                "output_tokens_per_s": c.tokens_at(cap.value), "rounds": c.rounds,
+                "pools": [{"rate": p.rate, "attaining": p.attaining, "requests": p.requests,
+                           "verdict": p.verdict()} for p in sorted(c.pools.values(), key=lambda p: p.rate)]}
 
     tuned = entry(chosen)
     if chosen is not result.default:
         tuned["ratio_to_default"] = result.ratio(chosen).as_dict()
     return {"tuned": tuned, "default": entry(result.default)}
-

@@ -82,7 +82,15 @@ class Capacity:
         return {"req_per_s": self.low, "bracket": [self.low, self.high if math.isfinite(self.high) else None],
                 "describe": self.describe(), "at_capacity": at.describe() if at is not None else None,
                 "resolved": self.resolved, "output_tokens_per_s": self.output_tokens_per_s, "stopped": self.stopped,
-                "probes": [{"rate": m.rate, "verdict": m.verdict, "describe": m.describe()} for m in self.probes]}
+                "probes": [probe_record(m) for m in self.probes]}
+
+
+def probe_record(m: Measurement) -> dict[str, Any]:
+    """A probe as the study keeps it: its rate, verdict, counts and line (the verdict pools the default's)."""
+    f = m.figures
+    return {"rate": m.rate, "verdict": m.verdict, "requests": f.requests if f else 0,
+            "attaining": f.attaining if f else 0, "reason": m.reason,
+            "output_tokens_per_s": m.output_tokens_per_s, "describe": m.describe()}
 
 
 def next_rate(low: float, high: float, start: float, step: float) -> float:
@@ -99,11 +107,10 @@ def next_rate(low: float, high: float, start: float, step: float) -> float:
 def search_capacity(probe: Callable[[float], Measurement], knobs: dict[str, Any], start: float,
                     resolution: float = 0.15, max_probes: int = 6, step: float = 2.0,
                     on_probe: Callable[[Measurement], None] | None = None,
-                    can_show_met: Callable[[float], bool] | None = None, closes: str | None = None) -> Capacity:
+                    can_show_met: Callable[[float], bool] | None = None) -> Capacity:
     """Bracket and bisect the capacity of ``knobs``; ``probe(rate)`` measures it at a rate. ``can_show_met(rate)``
     (MeasurementSpec.can_show_met): whether a measurement at that rate holds enough requests to show the share met;
-    with no rate served yet, the search does not go down to a rate that cannot. ``closes`` ("low" or "high"): stop
-    as soon as that side of the bracket is known (a verdict round needs only one side of each config's)."""
+    with no rate served yet, the search does not go down to a rate that cannot."""
     cap = Capacity(dict(knobs), resolution=resolution)
     while len(cap.probes) < max_probes:
         rate = next_rate(cap.low, cap.high, start, step)
@@ -127,9 +134,6 @@ def search_capacity(probe: Callable[[float], Measurement], knobs: dict[str, Any]
             return cap
         if cap.low > 0 and cap.high <= cap.low:  # a lower rate failed after a higher one served: noise; keep both
             cap.high = cap.low * (1 + resolution)
-        if (closes == "low" and cap.low > 0) or (closes == "high" and math.isfinite(cap.high)):
-            cap.stopped = f"the {closes} side is known"
-            return cap
         if cap.resolved:
             cap.stopped = f"bracket within {resolution:.0%}"
             return cap
@@ -187,8 +191,7 @@ class CapacitySearcher:
     on_probe: Callable[[Measurement], None] | None = None
 
     def search(self, knobs: dict[str, Any], out_dir: Path, draw: int = 0, start: float | None = None,
-               step: float | None = None, max_probes: int | None = None, remember: bool = True,
-               closes: str | None = None) -> Capacity:
+               step: float | None = None, max_probes: int | None = None) -> Capacity:
         first, first_step = start_from_known(knobs, self.known, self.names, self.start_rate)
         probes: list[int] = []
 
@@ -200,8 +203,8 @@ class CapacitySearcher:
         first = max(start if start is not None else first, self.spec.lowest_rate_to_show())
         cap = search_capacity(probe, knobs, first, self.resolution,
                               max_probes or self.max_probes, step or first_step, self.on_probe,
-                              self.spec.can_show_met, closes)
-        if remember and not cap.rejected:
+                              self.spec.can_show_met)
+        if not cap.rejected:
             self.known.append((cap.knobs, cap.low, cap.high))
         return cap
 

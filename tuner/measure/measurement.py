@@ -12,7 +12,7 @@ records of all its windows give:
 The measurement stops as soon as it is decided (:func:`should_stop`): attainment "missed" (no more data can make
 the config serve this rate), or attainment "met" with the p99 TBT interval on one side of the target (after at
 least ``min_gaps`` gaps). It also stops, "undecided", once the cap can no longer show the share met
-(:func:`cannot_meet_by_cap`: "met" needs nearly all of the requests the cap holds to attain, and at an optimistic
+(:func:`cannot_reach_by_cap`: "met" needs nearly all of the requests the cap holds to attain, and at an optimistic
 reading of the attainment so far the rest are unlikely to): an attainment at the edge, 93 % against 90 %, needs
 hundreds of requests, and more windows only spend the run's time. At the cap (``max_segments``) whatever is still
 undecided is reported as "undecided", never as met or missed. A segment that fails (rejected config, crashed engine, failed
@@ -21,6 +21,7 @@ load test) ends the measurement as "missed" with its reason, as a failed trial a
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -135,6 +136,7 @@ OPTIMISTIC_LEVEL = 0.6
 FUTILITY_CHANCE = 0.05
 
 
+@functools.lru_cache(maxsize=4096)
 def fewest_attaining_to_show(requests: int, spec: MeasurementSpec) -> int | None:
     """The fewest attaining requests out of ``requests`` whose interval's lower end reaches the target share
     (None: not even all of them do)."""
@@ -150,22 +152,49 @@ def fewest_attaining_to_show(requests: int, spec: MeasurementSpec) -> int | None
     return hi
 
 
-def cannot_meet_by_cap(f: Figures, segments_done: int, cap_segments: int, spec: MeasurementSpec) -> bool:
-    """Futility: the attainment is undecided and, by the cap, "met" is out of reach or nearly so. The requests the
-    cap holds are projected from those so far; "met" needs all but a few of them to attain (one failure in ~55 at
-    the smallest cap), and the chance that the rest fail no more than that, at an optimistic share
-    (:data:`OPTIMISTIC_LEVEL`), is below :data:`FUTILITY_CHANCE`."""
+@functools.lru_cache(maxsize=4096)
+def most_attaining_to_miss(requests: int, spec: MeasurementSpec) -> int | None:
+    """The most attaining requests out of ``requests`` whose interval's upper end stays below the target share
+    (None: not even none of them do)."""
+    def misses(k: int) -> bool:
+        return proportion_interval(k, requests, spec.level).high < spec.target_share
+
+    if requests <= 0 or not misses(0):
+        return None
+    lo, hi = 0, requests + 1  # misses(lo) holds; the upper bound grows with k
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if misses(mid) else (lo, mid)
+    return lo
+
+
+def out_of_reach(wanted: Verdict, attaining: int, requests: int, total: int, spec: MeasurementSpec,
+                 chance: float = FUTILITY_CHANCE) -> bool:
+    """Futility: with ``requests`` of ``total`` seen, ``wanted`` ("met" or "missed") is out of reach or nearly so.
+    "Met" needs all but a few of the total to attain (one failure in ~55), "missed" all but a few to fail; the
+    chance that the rest go that way at an optimistic reading of the share so far (the near end of a
+    :data:`OPTIMISTIC_LEVEL` interval) is below ``chance``."""
+    left = total - requests
+    if requests <= 0 or left <= 0:
+        return False
+    reading = proportion_interval(attaining, requests, OPTIMISTIC_LEVEL)
+    if wanted == "met":
+        need = fewest_attaining_to_show(total, spec)
+        failures_left = -1 if need is None else (total - need) - (requests - attaining)
+        return failures_left < 0 or float(stats.binom.cdf(failures_left, left, 1.0 - reading.high)) < chance
+    most = most_attaining_to_miss(total, spec)
+    attaining_left = -1 if most is None else most - attaining
+    return attaining_left < 0 or float(stats.binom.cdf(attaining_left, left, reading.low)) < chance
+
+
+def cannot_reach_by_cap(f: Figures, segments_done: int, cap_segments: int, spec: MeasurementSpec,
+                        aim: Verdict = "met") -> bool:
+    """Futility within a measurement: the attainment is undecided and ``aim`` is out of reach by the cap (its
+    requests projected from those so far; :func:`out_of_reach`)."""
     if f.verdicts["attainment"] != "undecided" or segments_done >= cap_segments or f.requests == 0:
         return False
     at_cap = math.ceil(f.requests * cap_segments / segments_done)
-    need = fewest_attaining_to_show(at_cap, spec)
-    if need is None:
-        return True
-    failures_left = (at_cap - need) - (f.requests - f.attaining)
-    if failures_left < 0:
-        return True
-    share = proportion_interval(f.attaining, f.requests, OPTIMISTIC_LEVEL).high
-    return float(stats.binom.cdf(failures_left, at_cap - f.requests, 1.0 - share)) < FUTILITY_CHANCE
+    return out_of_reach(aim, f.attaining, f.requests, at_cap, spec)
 
 
 @dataclass
@@ -245,8 +274,10 @@ def segment_seed(draw: int, segment: int) -> int:
 
 def measure(backend: TrialBackend, knobs: dict[str, Any], rate: float, out_dir: Path, draw: int = 0,
             spec: MeasurementSpec = MeasurementSpec(),
-            on_segment: Callable[[Measurement], None] | None = None) -> Measurement:
-    """Measure ``knobs`` at ``rate`` segment by segment until :func:`should_stop`, the futility rule or the cap."""
+            on_segment: Callable[[Measurement], None] | None = None, aim: Verdict = "met") -> Measurement:
+    """Measure ``knobs`` at ``rate`` segment by segment until :func:`should_stop`, the futility rule or the cap.
+    ``aim``: the verdict whose futility ends the measurement early ("met" in a search; "missed" where only a miss
+    would tell, as for the default config at the rate a candidate needs it to miss)."""
     m = Measurement(knobs=dict(knobs), rate=rate, figures=None)
     pooled: list[RequestRecord] = []
     cap = spec.segments_at(rate)
@@ -264,8 +295,9 @@ def measure(backend: TrialBackend, knobs: dict[str, Any], rate: float, out_dir: 
             on_segment(m)
         if should_stop(m.figures):
             break
-        if cannot_meet_by_cap(m.figures, i + 1, cap, spec):
+        if cannot_reach_by_cap(m.figures, i + 1, cap, spec, aim):
             m.stopped = (f"stopped after {i + 1} of {cap} windows: the ~{math.ceil(m.figures.requests * cap / (i + 1))}"
-                         f" requests of the cap cannot show {spec.target_share:.0%} at this share")
+                         f" requests of the cap cannot show {'' if aim == 'met' else 'below '}"
+                         f"{spec.target_share:.0%} at this share")
             break
     return m

@@ -14,6 +14,7 @@ straddles the target. None of this imports torch, locust or optuna.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -92,6 +93,7 @@ def min_samples_to_bound(q: float = 0.99, level: float = DEFAULT_LEVEL) -> int:
     return math.ceil(math.log(alpha) / math.log(q))
 
 
+@functools.lru_cache(maxsize=65536)  # pure, and each call a root search: the stopping rules ask the same ones often
 def proportion_interval(successes: int, trials: int, level: float = DEFAULT_LEVEL) -> Interval:
     """A share with its Clopper-Pearson (exact binomial) interval; NaN and [0, 1] for no trials."""
     if trials <= 0:

@@ -1,12 +1,28 @@
-"""The paired, repeated verdict: the default config and the best candidates re-measured round by round on fresh
-arrival draws, every config of a round on the same draw (common random numbers), the order alternating between
-rounds, until the best candidate's capacity ratio to the default has an interval that excludes 1, or the rounds or
-the time budget run out.
+"""The verdict: is the best candidate's capacity above the default config's, beyond the noise?
 
-Each round measures each config's capacity again (a short rate search started at what the search found: a config's
-round capacity is the highest rate that round showed it serves). A config's capacity over the rounds is the
-geometric mean of its round capacities with a t interval on the log scale; the ratio of two configs is the paired
-ratio of their round capacities (tuner.measure.statistics.paired_ratio_interval).
+A capacity is a rate a config is *shown* to serve (>= 90 % of the requests attain the SLO, the attainment's interval
+above 90 %). So one config beats another when it is shown to serve a rate the other is shown not to serve; both
+facts are binomial counts at fixed rates, and counts at one rate pool across measurements. The verdict therefore
+measures each config at a fixed rate per round instead of searching its capacity again:
+
+- the candidate at the capacity its search claimed, the default config at the lowest rate its search did not show
+  served (its ceiling, capped at the candidate's claim);
+- round after round on fresh arrival draws, the same draw for every config of a round (common random numbers), the
+  order alternating; each config's requests at a rate pool across the rounds, so that an attainment at the edge
+  (93 % against 90 %) gets the hundreds of requests it needs instead of a coin flip per round;
+- a candidate not shown to serve its claim steps down a rate when its pool there was missed or is unlikely to reach
+  "met" with one more measurement; the default not shown to miss its ceiling steps up (met, or unlikely to reach
+  "missed" with one more), a step or halfway to the candidate's rate, never past it: rounds are few, so each goes
+  where it likely decides;
+- the default's search probes pool with its verdict's (nothing selected it for them); a candidate's do not (it was
+  picked for how its search draw went: the winner's curse), so its claimed capacity is only what fresh draws show.
+
+The candidate is **better** when it is shown to serve a rate at or above one where the default is shown to miss;
+**not better** when the default is shown to serve a rate at or above one where the candidate is shown to miss. Each
+pooled verdict is looked at after every round, so each look gets a Bonferroni share of the error rate
+(:func:`look_level`). A config's capacity is its bracket (the highest rate shown served; the lowest not shown served),
+the ratio's interval the brackets' ratios (low: candidate's low / default's high). A pool is judged at the strictest
+level of its looks: a search probe never re-measured keeps its search's level.
 """
 
 from __future__ import annotations
@@ -14,176 +30,301 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
-from tuner.measure.capacity import MIN_RATE
-from tuner.measure.statistics import DEFAULT_LEVEL, Interval, paired_ratio_interval, ratio_verdict
+from tuner.measure.measurement import TARGET_SHARE, MeasurementSpec, out_of_reach
+from tuner.measure.statistics import DEFAULT_LEVEL, Interval, Verdict, lower_verdict, proportion_interval
 
 DEFAULT = "default"
+Outcome = Literal["better", "not better", "undecided"]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measurement of a config at a rate on one arrival draw: its requests and how many attained."""
+
+    rate: float
+    draw: int  # -1: the default config's own search probes
+    attaining: int
+    requests: int
+    failed: str | None = None  # a rejected config, a crashed engine: the config does not serve this rate
+    output_tokens_per_s: float | None = None
+    summary: str = ""  # the measurement's own line (its p99s with intervals)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rate": self.rate, "draw": self.draw, "attaining": self.attaining, "requests": self.requests,
+                "failed": self.failed, "output_tokens_per_s": self.output_tokens_per_s, "summary": self.summary}
+
+
+@dataclass
+class Pool:
+    """Every sample of a config at one rate, pooled, judged at the strictest level any of its looks needs (a search
+    probe's own level; the verdict's per-look level once the verdict has measured there)."""
+
+    rate: float
+    level: float = DEFAULT_LEVEL
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def requests(self) -> int:
+        return sum(s.requests for s in self.samples)
+
+    @property
+    def attaining(self) -> int:
+        return sum(s.attaining for s in self.samples)
+
+    @property
+    def failed(self) -> str | None:
+        return next((s.failed for s in self.samples if s.failed), None)
+
+    def attainment(self) -> Interval:
+        return proportion_interval(self.attaining, self.requests, self.level)
+
+    def verdict(self, share: float = TARGET_SHARE) -> Verdict:
+        if self.failed:
+            return "missed"
+        return lower_verdict(self.attainment(), share) if self.requests else "undecided"
+
+    def likely(self, wanted: Verdict, more: int, share: float = TARGET_SHARE) -> bool:
+        """Whether ``more`` further requests more likely than not bring the pooled verdict to ``wanted`` ("met" or
+        "missed"), at an optimistic reading of the share so far (the measurement's futility rule at even odds): an
+        attainment at the edge reaches neither in any budget, and the verdict's rounds are few."""
+        spec = MeasurementSpec(level=self.level, target_share=share)
+        return not out_of_reach(wanted, self.attaining, self.requests, self.requests + more, spec, chance=0.5)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rate": self.rate, "requests": self.requests, "attaining": self.attaining, "level": self.level,
+                "attainment": self.attainment().as_dict(), "verdict": self.verdict(),
+                "samples": [s.as_dict() for s in self.samples]}
 
 
 @dataclass
 class Contender:
-    name: str  # "default" or "candidate N"
+    """A config in the verdict: its pools by rate, and the rate it is measured at next (None: nothing to show)."""
+
+    name: str  # "default" or "candidate N (trial #k)"
     knobs: dict[str, Any]
-    start: float  # where its round searches start (its capacity from the search)
-    rounds: list[float] = field(default_factory=list)  # capacity per round (highest rate shown served; 0: none)
-    ceilings: list[float] = field(default_factory=list)  # per round, the lowest rate not shown served (inf: none)
-    tokens: list[float] = field(default_factory=list)  # output tokens/s at that capacity per round
+    claim: float  # the capacity its search claimed (a candidate) / its search's ceiling (the default)
+    search_high: float = math.inf  # the lowest rate its search did not show served
+    pools: dict[float, Pool] = field(default_factory=dict)
+    next_rate: float | None = None
+    rounds: int = 0  # rounds it was measured in
 
-    def capacity(self, level: float = DEFAULT_LEVEL) -> Interval:
-        """Geometric mean of the round capacities; the interval's low end the t bound of the rounds' capacities,
-        its high end that of their ceilings, so each round's bracket counts as well as the spread between rounds
-        (with one round the high end is unbounded). When some round showed no rate served, no mean is claimed:
-        the value is 0, the range up to the highest ceiling."""
-        if self.rounds and min(self.rounds) <= 0:
-            return Interval(0.0, 0.0, max(self.ceilings, default=math.inf), level, len(self.rounds))
-        lows = geometric_interval(self.rounds, level)
-        highs = geometric_interval([c if math.isfinite(c) else math.inf for c in self.ceilings], level)
-        high = highs.high if all(math.isfinite(c) for c in self.ceilings) else math.inf
-        return Interval(lows.value, lows.low, max(high, lows.value), level, len(self.rounds))
+    def __post_init__(self) -> None:
+        if self.next_rate is None:
+            self.next_rate = self.claim
 
-    def upper(self, i: int) -> float:
-        """Round i's capacity, or where nothing was shown served there, its ceiling (a bound from above)."""
-        return self.rounds[i] if self.rounds[i] > 0 else self.ceilings[i]
+    @property
+    def is_default(self) -> bool:
+        return self.name == DEFAULT
+
+    def add(self, sample: Sample, level: float) -> Pool:
+        """Pool ``sample`` with the others at its rate, judged from now on at ``level`` at least."""
+        pool = self.pools.setdefault(round(sample.rate, 9), Pool(sample.rate, level))
+        pool.samples.append(sample)
+        pool.level = max(pool.level, level)
+        return pool
+
+    def rates(self, verdict: Verdict) -> list[float]:
+        return sorted(p.rate for p in self.pools.values() if p.verdict() == verdict)
+
+    def shown_served(self) -> float:
+        """The highest rate shown served below every rate shown missed (0: none)."""
+        missed = min(self.rates("missed"), default=math.inf)
+        return max((r for r in self.rates("met") if r < missed), default=0.0)
+
+    def shown_missed(self) -> float:
+        """The lowest rate shown missed (inf: none)."""
+        return min(self.rates("missed"), default=math.inf)
+
+    def capacity(self) -> Interval:
+        """The bracket: the highest rate shown served, the lowest rate above it not shown served (pooled here, or
+        the search's ceiling when the verdict measured nothing higher); its level the strictest of its pools'."""
+        low = self.shown_served()
+        above = [p.rate for p in self.pools.values() if p.rate > low and p.verdict() != "met"]
+        high = min(above + [self.search_high], default=math.inf)
+        n = sum(p.requests for p in self.pools.values())
+        level = max((p.level for p in self.pools.values()), default=DEFAULT_LEVEL)
+        return Interval(low, low, max(high, low), level, n)
+
+    def tokens_at(self, rate: float) -> float | None:
+        """The mean output tokens/s of the samples at ``rate`` (None: none measured there)."""
+        pool = self.pools.get(round(rate, 9))
+        values = [s.output_tokens_per_s for s in pool.samples if s.output_tokens_per_s] if pool else []
+        return sum(values) / len(values) if values else None
+
+    def as_dict(self) -> dict[str, Any]:
+        cap = self.capacity()
+        return {"knobs": self.knobs, "claim_req_per_s": self.claim, "capacity_req_per_s": cap.as_dict(),
+                "output_tokens_per_s": self.tokens_at(cap.value), "rounds": self.rounds,
+                "pools": [p.as_dict() for p in sorted(self.pools.values(), key=lambda p: p.rate)]}
 
 
-def geometric_interval(values: list[float], level: float = DEFAULT_LEVEL) -> Interval:
-    positive = [v for v in values if v > 0]
-    if not positive:
-        return Interval(0.0, 0.0, math.inf, level, len(values))
-    # the paired ratio against a constant 1 is the geometric mean with its t interval
-    return paired_ratio_interval(positive, [1.0] * len(positive), level)
-
-
-def look_level(level: float, max_rounds: int) -> float:
-    """The level of each look at the ratio: the verdict looks after every round from the second on, so each look
-    gets a Bonferroni share of the error rate and stopping at the first exclusion keeps the overall level."""
-    return 1.0 - (1.0 - level) / max(1, max_rounds - 1)
+def look_level(level: float, looks: int) -> float:
+    """The level of each look: every pooled verdict is looked at after every round, so each of ``looks`` looks gets
+    a Bonferroni share of the error rate and stopping at the first decision keeps the overall level."""
+    return 1.0 - (1.0 - level) / max(1, looks)
 
 
 @dataclass
 class VerdictResult:
     default: Contender
     candidates: list[Contender]
-    level: float  # the overall level; ratios are shown at the per-look level that decided them
-    stopped: str
+    level: float  # the overall level
     max_rounds: int = 4
+    stopped: str = ""
 
     @property
-    def ratio_level(self) -> float:
+    def look(self) -> float:
+        """The level every pooled verdict and bracket is judged at."""
         return look_level(self.level, self.max_rounds)
 
+    def outcome(self, c: Contender) -> Outcome:
+        served, missed = c.shown_served(), c.shown_missed()
+        d_served, d_missed = self.default.shown_served(), self.default.shown_missed()
+        if served > 0 and served >= d_missed:
+            return "better"
+        if d_served > 0 and d_served >= missed:
+            return "not better"
+        return "undecided"
+
     def ratio(self, c: Contender) -> Interval:
-        """Paired ratio of the rounds' capacities, each round known only within its bracket: the low end is the
-        paired t bound of (candidate's capacity / default's ceiling), the high end that of (candidate's ceiling /
-        default's capacity), the value the geometric mean of the rounds' capacity ratios. So a ratio is "better"
-        only when even the brackets' unfavourable ends, and the spread between rounds, leave it above 1. A round
-        where the default showed no rate served uses its ceiling as its capacity (errs low, never in the
-        candidate's favour); one where the candidate showed none counts as the lowest rate any search tries."""
-        n = min(len(c.rounds), len(self.default.rounds))
-        d = self.default
-        ours = [v if v > 0 else MIN_RATE for v in c.rounds[:n]]
-        mid = paired_ratio_interval(ours, [d.upper(i) for i in range(n)], self.ratio_level)
-        low = paired_ratio_interval(ours, [d.ceilings[i] if math.isfinite(d.ceilings[i]) else d.upper(i)
-                                           for i in range(n)], self.ratio_level)
-        tops = [x if math.isfinite(x) else math.nan for x in c.ceilings[:n]]
-        if any(math.isnan(x) for x in tops) or any(d.rounds[i] <= 0 for i in range(n)):
-            high = math.inf
-        else:
-            high = paired_ratio_interval(tops, d.rounds[:n], self.ratio_level).high
-        return Interval(mid.value, min(low.low, mid.value), max(high, mid.value), self.ratio_level, mid.n)
+        """The capacities' ratio: value candidate's / default's capacity, interval the brackets' ends (low: the
+        candidate's capacity over the default's lowest rate not shown served). A default shown to serve nothing
+        has no finite ratio (value and high end unbounded)."""
+        cc, dc = c.capacity(), self.default.capacity()
+        value = cc.value / dc.value if dc.value > 0 else math.inf
+        low = cc.low / dc.high if math.isfinite(dc.high) and dc.high > 0 else 0.0
+        high = cc.high / dc.low if dc.low > 0 else math.inf
+        return Interval(value, min(low, value), max(high, value), self.look, cc.n + dc.n)
 
     @property
     def best(self) -> Contender | None:
-        """The candidate with the highest ratio's lower bound (then point), if any was measured."""
-        measured = [c for c in self.candidates if c.rounds]
-        if not measured:
+        """The candidate with the highest shown capacity (then the highest claim)."""
+        if not self.candidates:
             return None
-        return max(measured, key=lambda c: (self.ratio(c).low, self.ratio(c).value))
+        return max(self.candidates, key=lambda c: (c.shown_served(), c.claim))
 
     @property
     def winner(self) -> Contender | None:
-        """The best candidate when it beats the default beyond the noise, else None."""
-        b = self.best
-        return b if b is not None and ratio_verdict(self.ratio(b)) == "better" else None
+        """The best of the candidates shown better than the default, if any."""
+        better = [c for c in self.candidates if self.outcome(c) == "better"]
+        return max(better, key=lambda c: c.shown_served()) if better else None
 
     @property
     def safest(self) -> Contender:
-        """No winner: the config whose capacity's lower bound is highest (the default on ties)."""
-        everyone = [self.default] + [c for c in self.candidates if c.rounds]
-        return max(everyone, key=lambda c: (finite(c.capacity(self.level).low), c is self.default))
+        """No winner: the config with the highest rate shown served on the verdict's draws (the default on ties)."""
+        everyone = [self.default] + self.candidates
+        return max(everyone, key=lambda c: (c.shown_served(), c is self.default))
 
     def as_dict(self) -> dict[str, Any]:
         def entry(c: Contender) -> dict[str, Any]:
-            d: dict[str, Any] = {"knobs": c.knobs, "rounds_req_per_s": c.rounds,
-                                 "rounds_ceiling_req_per_s": [x if math.isfinite(x) else None for x in c.ceilings],
-                                 "rounds_tokens_per_s": c.tokens,
-                                 "capacity_req_per_s": c.capacity(self.level).as_dict()}
-            if c is not self.default:
+            d = c.as_dict()
+            if not c.is_default:
                 d["ratio_to_default"] = self.ratio(c).as_dict()
-                d["ratio_verdict"] = ratio_verdict(self.ratio(c))
+                d["outcome"] = self.outcome(c)
             return d
 
-        return {"level": self.level, "stopped": self.stopped, "default": entry(self.default),
-                "candidates": [entry(c) for c in self.candidates],
+        return {"level": self.level, "look_level": self.look, "max_rounds": self.max_rounds, "stopped": self.stopped,
+                "default": entry(self.default), "candidates": [entry(c) for c in self.candidates],
                 "winner": self.winner.name if self.winner else None, "safest": self.safest.name}
 
 
-def finite(x: float) -> float:
-    return x if math.isfinite(x) else 0.0
+# measure(contender, rate, draw) -> the sample of one measurement (sized by its own statistics)
+MeasureAt = Callable[[Contender, float, int], Sample]
 
 
-# (capacity req/s: the highest rate shown served, 0 if none; the lowest not shown served; output tokens/s)
-RoundCapacity = Callable[[Contender, int], tuple[float, float, float | None]]
+def plan_next(c: Contender, result: VerdictResult, step: float, floor: float, more: int) -> None:
+    """Where ``c`` is measured next round, from its pool at the rate just measured; ``more``: the requests another
+    round would add there (about the last sample's). None when the decision needs nothing more of it."""
+    rate = c.next_rate
+    if rate is None:
+        return
+    pool = c.pools[round(rate, 9)]
+    v = pool.verdict()
+    if c.is_default:
+        # no higher than any candidate's claim (or, once shown, its served rate): above it a miss decides nothing
+        top = max((x.shown_served() or x.claim for x in result.candidates), default=rate)
+        if v == "missed":
+            c.next_rate = None  # its ceiling is shown: what the candidates' "better" needs
+        elif v == "met" or not pool.likely("missed", more):
+            # a step up, or halfway (geometrically) to the top when that is further: a far better candidate
+            # needs the default's miss at its own rate, not at the default's next rate up
+            up = min(max(rate * step, math.sqrt(rate * top)), top)
+            c.next_rate = up if up > rate * (1 + 1e-9) else None
+    else:
+        if v == "met":
+            c.next_rate = None  # its capacity is shown
+        elif v == "missed" or not pool.likely("met", more):
+            down = rate / step
+            c.next_rate = down if down >= floor * (1 - 1e-9) else None
 
 
-def paired_verdict(default: Contender, candidates: list[Contender], round_capacity: RoundCapacity,
-                   max_rounds: int = 4, budget_s: float = 300.0, level: float = DEFAULT_LEVEL, first_draw: int = 100,
-                   on_round: Callable[[int, VerdictResult], None] | None = None,
+def paired_verdict(default: Contender, candidates: list[Contender], measure_at: MeasureAt, max_rounds: int = 4,
+                   budget_s: float = 300.0, level: float = DEFAULT_LEVEL, step: float = 1.3, floor: float = 0.0,
+                   first_draw: int = 100, on_round: Callable[[int, VerdictResult], None] | None = None,
                    clock: Callable[[], float] = time.monotonic) -> VerdictResult:
-    """Rounds of ``round_capacity(contender, draw) -> (capacity, ceiling, output tokens/s)`` for the default and every
-    candidate, alternating the order, until the best ratio's interval excludes 1 (after at least two rounds), the
-    rounds run out, or a round would not fit in what is left of ``budget_s`` (judged by the slowest round so far)."""
-    result = VerdictResult(default, candidates, level, "", max_rounds)
-    started = clock()
-    slowest = 0.0
+    """Rounds of one measurement per config still needed, each at its planned rate on the round's draw, the order
+    alternating, until every candidate's outcome is decided (or the best one is better), nothing is left to
+    measure, the rounds run out, or the next round would not fit in what is left of ``budget_s`` (judged by the
+    slowest round so far; the first round always runs). ``floor``: the lowest rate a candidate steps down to."""
+    result = VerdictResult(default, candidates, level, max_rounds)
+    default.next_rate = min(default.next_rate or default.claim, max((c.claim for c in candidates), default=math.inf))
+    started, slowest = clock(), 0.0
+    exhausted = False  # nothing left to measure that could decide
     for r in range(max_rounds):
-        if r >= 2 and clock() - started + slowest > budget_s:
+        open_ = [c for c in candidates if result.outcome(c) == "undecided" and c.next_rate is not None]
+        needs_default = any(result.outcome(c) == "undecided" for c in candidates) and default.next_rate is not None
+        everyone = ([default] if needs_default else []) + open_
+        if not everyone:
+            exhausted = True
+            break
+        if r >= 1 and clock() - started + slowest > budget_s:
             result.stopped = f"time budget ({budget_s:.0f}s) used after {r} rounds"
             return result
         t0 = clock()
-        everyone = [default] + candidates
         for c in (everyone if r % 2 == 0 else everyone[::-1]):
-            cap, ceiling, toks = round_capacity(c, first_draw + r)
-            c.rounds.append(cap)
-            c.ceilings.append(ceiling)
-            c.tokens.append(toks if toks is not None else math.nan)
+            rate = c.next_rate
+            assert rate is not None
+            sample = measure_at(c, rate, first_draw + r)
+            c.add(sample, result.look)
+            c.rounds += 1
+            plan_next(c, result, step, floor, max(sample.requests, 1))
         slowest = max(slowest, clock() - t0)
         if on_round is not None:
             on_round(r + 1, result)
-        best = result.best
-        if r >= 1 and best is not None and ratio_verdict(result.ratio(best)) != "no difference beyond the noise":
-            result.stopped = f"the ratio's interval excludes 1 after {r + 1} rounds"
+        w = result.winner
+        if w is not None and not any(result.outcome(c) == "undecided" and c.claim > w.shown_served()
+                                     for c in candidates):
+            result.stopped = f"{w.name} shown better after {r + 1} rounds"
             return result
-    result.stopped = f"{max_rounds} rounds"
+    decided = all(result.outcome(c) != "undecided" for c in candidates)
+    rounds = max(c.rounds for c in [default] + candidates)
+    result.stopped = (f"decided after {rounds} rounds" if decided else
+                      f"nothing left to measure could decide, after {rounds} rounds" if exhausted else
+                      f"{max_rounds} rounds")
     return result
 
 
 def verdict_line(result: VerdictResult, slo_text: str) -> str:
     """The last line of ``tune``: what the tuned config serves, against the default config, with intervals."""
-    d = result.default.capacity(result.level)
+    look = result.look
+    d = result.default.capacity()
+    d_text = (f"{d.format(' req/s', 1, 3)}" if d.value > 0 else
+              f"0 req/s (not shown to serve {d.high:.3g} req/s)")
     w = result.winner
+    note = (f"brackets at {result.level:.0%} from the searches, {look:.1%} where the verdict measured "
+            f"({result.max_rounds} looks)")
+    rounds = max(c.rounds for c in [result.default] + result.candidates)
     if w is not None:
-        c, ratio = w.capacity(result.level), result.ratio(w)
-        return (f"tuned serves {c.format(' req/s', 1, 3)} within {slo_text}, {ratio.format('x', 1, 3)} the default "
-                f"config's {d.format(' req/s', 1, 3)} ({len(w.rounds)} paired rounds; capacities at "
-                f"{result.level:.0%}, the ratio at {result.ratio_level:.1%} for {result.max_rounds - 1} looks)")
-    safe = result.safest
+        c, ratio = w.capacity(), result.ratio(w)
+        ratio_text = ratio.format("x", 1, 3) if math.isfinite(ratio.value) else f">= {ratio.low:.3g}x"
+        return (f"tuned serves {c.format(' req/s', 1, 3)} within {slo_text}, {ratio_text} the default "
+                f"config's {d_text} ({rounds} round{'s' if rounds != 1 else ''} of fresh draws; {note})")
     best = result.best
     tail = ""
     if best is not None:
-        tail = f"; best candidate {best.capacity(result.level).format(' req/s', 1, 3)}, ratio " \
-               f"{result.ratio(best).format('x', 1, 3)}"
-    return (f"no config beats the default beyond the noise within {slo_text}: default {d.format(' req/s', 1, 3)}"
-            f"{tail}; safest: {safe.name} ({result.stopped})")
+        tail = (f"; best candidate {best.capacity().format(' req/s', 1, 3)} ({result.outcome(best)}), ratio "
+                f"{result.ratio(best).format('x', 1, 3)}")
+    return (f"no config beats the default beyond the noise within {slo_text}: default {d_text}{tail}; safest: "
+            f"{result.safest.name} ({result.stopped}; {note})")

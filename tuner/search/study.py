@@ -276,16 +276,24 @@ class TrialReport:
     probes: list[dict[str, Any]] = field(default_factory=list)
 
 
+def longest_trial_s(study: optuna.Study) -> float:
+    """The longest complete trial of the study so far (0 with none): a trial that starts later than this before a
+    deadline is likely to end past it, so it is not started (a capacity search takes 1-5 minutes)."""
+    lengths = [(t.datetime_complete - t.datetime_start).total_seconds() for t in study.trials
+               if t.state == TrialState.COMPLETE and t.datetime_start and t.datetime_complete]
+    return max(lengths, default=0.0)
+
+
 def run_trials(study: optuna.Study, runner: TrialRunner | TrialBackend, policy: Policy, n_trials: int, out_dir: Path,
                on_trial: Callable[[TrialReport], None] | None = None, searcher: CapacitySearcher | None = None,
                deadline: float | None = None, max_runs: int | None = None) -> int:
-    """Ask/run/tell until the study holds ``n_trials`` counted trials (or ``deadline``, a time.monotonic(), passes,
-    or this call has run ``max_runs``); returns how many this process ran."""
+    """Ask/run/tell until the study holds ``n_trials`` counted trials (or the next trial would end past
+    ``deadline``, a time.monotonic(), or this call has run ``max_runs``); returns how many this process ran."""
     ran = 0
     recover_orphans(study)
     while counted_trials(study) < n_trials and (max_runs is None or ran < max_runs):
         check_stop()
-        if deadline is not None and time.monotonic() > deadline:
+        if deadline is not None and time.monotonic() + longest_trial_s(study) > deadline:
             break
         enqueue_start(study, policy)
         trial = study.ask()
