@@ -174,8 +174,9 @@ def main() -> int:
             rescaled = model.rescaled(real_steps_of(out, on, cases[on][1]))
             if rescaled is None:
                 p.error(f"--rescale-on {args.rescale_on}: that case has too few real steps in {out}")
-            print(f"profile rescaled x{rescaled.meta['rescaled']['scale']:.3f} to case {args.rescale_on}'s "
-                  f"{rescaled.meta['rescaled']['steps']} steps", file=sys.stderr)
+            r = rescaled.meta["rescaled"]
+            print(f"profile rescaled to case {args.rescale_on}'s {r['steps']} steps: decode steps x{r['scale']:.3f}, "
+                  f"prefill steps x{r['prefill_scale']:.3f}", file=sys.stderr)
         for n, (name, knobs, load) in numbered:
             real_dir = out / f"real{n}"
             if not (real_dir / "summary.json").exists():

@@ -382,8 +382,9 @@ def test_a_config_outside_the_space_moves_toward_it_no_further_than_the_limit() 
 
 
 # Canary ------------------------------------------------------------------------------------------------------------
-def stats(attaining: int, finished: int) -> WindowStats:
-    return WindowStats(0.0, 30.0, finished, finished, attaining, 0.05, 0, 0, 0, 0, (1, 1))
+def stats(attaining: int, finished: int, arrived: int | None = None, seconds: float = 30.0) -> WindowStats:
+    return WindowStats(0.0, seconds, finished, finished if arrived is None else arrived, attaining, 0.05, 0, 0, 0, 0,
+                       (1, 1))
 
 
 def test_canary_verdicts() -> None:
@@ -417,6 +418,24 @@ def test_a_canary_is_kept_on_its_own_arrivals_not_on_the_queue_it_inherited() ->
     assert judge(before, everything, 30, spec, fresh=None).action == "continue"  # the backlog has not drained
     assert judge(before, everything, 30, spec, fresh=stats(24, 25)).action == "keep"
     assert judge(before, everything, 61, spec, fresh=None).action == "rollback"
+
+
+def test_a_canary_that_drains_the_queue_a_config_that_fell_behind_left_is_kept() -> None:
+    spec = Canary(min_requests=20, min_window=10, max_window=60, rollback_drop=0.15)
+    # the config before finished 20 requests in 60 s while 45 arrived: its queue grew by 25
+    before = stats(2, 20, arrived=45, seconds=60.0)
+    # the canary, 40 s in: 40 finished (1.0 req/s against 0.33), 28 arrived: the queue 12 shorter; its own arrivals
+    # still wait behind the inherited ones, so attainment shows nothing yet
+    drain = stats(4, 40, arrived=28, seconds=40.0)
+    kept = judge(before, drain, 40, spec, fresh=None)
+    assert kept.action == "keep" and "drains the queue" in kept.reason and "12 shorter" in kept.reason
+    # as fast, but the queue still grows under it: not kept (and rolled back at the end of the window)
+    assert judge(before, stats(4, 40, arrived=50, seconds=40.0), 40, spec, fresh=None).action == "continue"
+    # finishing no faster beyond the noise than the config before: not kept
+    assert judge(before, stats(2, 15, arrived=10, seconds=40.0), 40, spec, fresh=None).action == "continue"
+    # a config before that kept up: attainment decides, as before
+    kept_up = stats(10, 40, arrived=41, seconds=60.0)
+    assert judge(kept_up, drain, 40, spec, fresh=None).action == "continue"
 
 
 def test_a_rate_shift_long_after_the_start_is_drift_even_at_a_rate_too_low_for_one_window(tmp_path: Path) -> None:
@@ -470,3 +489,40 @@ def test_the_retune_workload_follows_the_live_length_histograms() -> None:
     # without histograms (a source that only counts tokens): one class around the means
     plain = Shape(seconds=60.0, requests=40, prompt_means=(100.0,), output_means=(20.0,), prefix_hit_rate=0.0)
     assert live_workload(plain).mix == "live=50-150:10-30"
+
+
+def test_a_retune_that_fails_is_a_logged_no_move_and_the_controller_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tuner.control.loop as loop
+    from tuner.control.loop import Controller
+    from tuner.control.triggers import Trigger
+
+    class Engine:
+        def __init__(self) -> None:
+            self.applied: list[dict[str, Any]] = []
+
+        def admin_config(self) -> dict[str, Any]:
+            return {"config": {"max_num_seqs": 2}, "generation": 1, "resolved": {}, "lease": None}
+
+        def steps(self, since: int) -> tuple[list[dict[str, Any]], int]:
+            return [], 0
+
+        def apply(self, knobs: dict[str, Any], lease_s: float | None = None) -> dict[str, Any]:
+            self.applied.append(knobs)
+            return {"generation": 2}
+
+    def broken_search(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("the simulator cannot parse the rebuilt workload")
+
+    monkeypatch.setattr(loop, "search", broken_search)
+    engine = Engine()
+    controller = Controller(policy_with(), None, engine, DecisionLog(tmp_path / "c.jsonl"), say=lambda s: None)
+    for t in range(0, 62, 2):
+        controller.remember(scrape(float(t), ok=t / 4, count=t, finished=t, prompt=20 * t, output=20 * t))
+    before = controller.trigger_window()
+    assert before is not None
+    controller.act(Trigger("attainment", "below target", {}), before)
+    decisions = [r for r in read_log(tmp_path / "c.jsonl") if r["kind"] == "decision"]
+    assert len(decisions) == 1 and decisions[0]["outcome"] == "no_move"
+    assert "the retune failed: ValueError: the simulator cannot parse" in decisions[0]["reason"]
+    assert engine.applied == [] and controller.canary is None  # nothing applied; the next tick watches again

@@ -8,12 +8,8 @@ skip these tests on a machine without Chromium (the README's test command instal
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -21,18 +17,17 @@ import httpx
 import pytest
 
 from dashboards.analysis import pareto_front
-from dashboards.screenshots import full_page_screenshot, start_browser
+from dashboards.screenshots import full_page_screenshot
+from tests.browser_helpers import headless_browser, skip_without_browser, start_dashboard, wait_for
 from dashboards.study import load_study
 from tests import dashboard_data as data
-from tests.server_helpers import REPO, SubprocessServer, free_port
+from tests.server_helpers import REPO, SubprocessServer
 
 SCREENSHOTS = REPO / "build" / "screenshots"  # untracked; docs/dashboard.md shows real runs (docs/screenshots)
 TOKEN = "dashboard-test-token"
-WAIT_S = 90.0
 N_TRIALS = 12
 
-if os.environ.get("SLOTUNE_SKIP_BROWSER") == "1":
-    pytest.skip("SLOTUNE_SKIP_BROWSER=1", allow_module_level=True)
+skip_without_browser()
 
 
 @pytest.fixture(scope="module")
@@ -54,23 +49,10 @@ def engine() -> Iterator[SubprocessServer]:
 
 @pytest.fixture(scope="module")
 def dashboard(results: Path, engine: SubprocessServer) -> Iterator[str]:
-    port = free_port()
     log = open(results / "dashboard.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "slotune.cli", "dashboard", "--port", str(port), "--results",
-                             str(results), "--storage", f"sqlite:///{results / 'study.db'}", "--engine-url",
-                             engine.url, "--admin-token", TOKEN, "--poll-interval", "1"],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None, (results / "dashboard.log").read_text()
-        try:
-            if httpx.get(url + "/", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the dashboard did not start"
-        time.sleep(0.2)
+    proc, url = start_dashboard("--results", str(results), "--storage", f"sqlite:///{results / 'study.db'}",
+                                "--engine-url", engine.url, "--admin-token", TOKEN, "--poll-interval", "1",
+                                log=log, log_path=results / "dashboard.log")
     yield url
     proc.terminate()
     proc.wait(20)
@@ -79,23 +61,10 @@ def dashboard(results: Path, engine: SubprocessServer) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    try:
-        driver = start_browser()
-    except FileNotFoundError as error:
-        pytest.fail(f"{error} (or SLOTUNE_SKIP_BROWSER=1)")
-    yield driver
-    driver.quit()
+    yield from headless_browser()
 
 
 # Reading the page ------------------------------------------------------------------------------------------------
-def wait_for(condition: Callable[[], Any], what: str, timeout: float = WAIT_S) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.25)
 
 
 def graph_points(browser: Any, graph_id: str) -> dict[str, int] | None:

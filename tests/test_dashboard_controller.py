@@ -4,23 +4,19 @@ decision; without a log the page says what to pass."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from dashboards.screenshots import full_page_screenshot, start_browser
-from tests.server_helpers import REPO, free_port
+from dashboards.screenshots import full_page_screenshot
+from tests.browser_helpers import headless_browser, skip_without_browser, start_dashboard, wait_for
+from tests.server_helpers import REPO
 from tuner.control.decision_log import DecisionLog
 
-if os.environ.get("SLOTUNE_SKIP_BROWSER") == "1":
-    pytest.skip("SLOTUNE_SKIP_BROWSER=1", allow_module_level=True)
+skip_without_browser()
 
 N_OBS = 12
 OUTCOMES = ["no_move", "rolled_back", "kept"]
@@ -42,37 +38,9 @@ def write_log(path: Path) -> None:
         time.sleep(0.01)
 
 
-def start_dashboard(*args: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "slotune.cli", "dashboard", "--port", str(port), *args],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(url + "/", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, "the dashboard did not start"
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    driver = start_browser()
-    yield driver
-    driver.quit()
-
-
-def wait_for(condition: Any, what: str, timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.25)
+    yield from headless_browser()
 
 
 def trace_points(browser: Any, graph_id: str) -> dict[str, int] | None:

@@ -119,3 +119,22 @@ def test_rescaled_to_a_slower_machine_predicts_its_steps() -> None:
     assert adapted.noise == model.noise and adapted.ranges == model.ranges
     assert model.coef == StepTimeModel.fit(synthetic_steps(400, seed=3)).coef
     assert model.rescaled(slow[:10]) is None  # too few steps to say how fast the machine runs
+
+
+def test_rescaled_moves_prefill_and_decode_steps_by_their_own_factors() -> None:
+    # a machine whose decode steps run 1.7x the profile and whose prefill steps run 1.4x (another memory system,
+    # other matrix units): one factor would miss both
+    model = StepTimeModel.fit(synthetic_steps(400, seed=3))
+    other = [{**s, "total_s": s["total_s"] * (1.4 if s["num_prefill_seqs"] else 1.7)}
+             for s in synthetic_steps(400, seed=4, noise=0.1)]
+    adapted = model.rescaled(other)
+    assert adapted is not None
+    r = adapted.meta["rescaled"]
+    assert r["scale"] == pytest.approx(1.7, rel=0.05) and r["prefill_scale"] == pytest.approx(1.4, rel=0.05)
+    for s in synthetic_steps(60, seed=5):
+        factor = 1.4 if s["num_prefill_seqs"] else 1.7
+        assert adapted.predict_record(s) == pytest.approx(factor * model.predict_record(s), rel=0.06)
+        i = (s["num_prefill_seqs"], s["num_prefill_tokens"], s["num_decode_tokens"], s["context_tokens"], 0)
+        assert adapted.bind(s["block_size"], seed=None)(*i) == pytest.approx(adapted.predict_record(s), rel=1e-9)
+    again = StepTimeModel.from_dict(adapted.to_dict())
+    assert again.prefill_factor == adapted.prefill_factor != 1.0

@@ -106,7 +106,7 @@ class CapacityRun:
         refitted to all the real trials so far and, when it moved, the configs are screened again, so that each next
         screened trial is the best at the engine's present speed."""
         from tuner.measure.capacity import capacity_searcher as searcher_on
-        from tuner.search.screening import Rescreen, _sample, load_profile, sim_runner_like, speed_scale
+        from tuner.search.screening import Rescreen, _sample, load_profile, rescale_text, sim_runner_like, speed_scale
         from tuner.simulation.step_time_model import StepTimeModel
 
         n = getattr(self.s.args, "screen", None) or SCREENED
@@ -115,15 +115,13 @@ class CapacityRun:
         def rank(model: StepTimeModel | None) -> list[tuple[dict[str, Any], dict[str, Any]]]:
             # on a simulated engine (tests) the screen is that simulator itself
             sim = self.runner if isinstance(self.runner, SimTrialRunner) else sim_runner_like(self.runner, model=model)
-            rescaled = (model.meta if model is not None else {}).get("rescaled")
+            scaled = rescale_text(model)
             if not rescreen.rankings:
                 say(f"{PROG}: screening {n} configs for capacity in the simulator"
-                    + (f" (step times x{rescaled['scale']:.2f}, rescaled to {rescaled['steps']} engine steps)"
-                       if rescaled else "") + " ...")
+                    + (f" ({scaled})" if scaled else "") + " ...")
             else:
                 say(f"{PROG}: the engine's speed moved from x{rescreen.scale:.2f} to x{speed_scale(model):.2f} "
-                    f"(rescaled to {rescaled['steps'] if rescaled else 0} engine steps): screening the {n} configs "
-                    f"again ...")
+                    f"({scaled}): screening the {n} configs again ...")
             t0 = time.monotonic()
             sim_search = searcher_on(sim, self.p)
             ranked: list[tuple[float, dict[str, Any]]] = []

@@ -144,8 +144,8 @@ class TuneSession:
         configs are screened again, so that each next screened trial is the best at the engine's present speed
         (predicted against measured is printed at the end)."""
         # the simulator (it runs the engine's torch-free scheduler) is imported only when asked for
-        from tuner.search.screening import CONFIRMED, Rescreen, load_profile, measured_steps, predicted, screen, \
-            sim_runner_like, speed_scale
+        from tuner.search.screening import CONFIRMED, Rescreen, load_profile, measured_steps, predicted, \
+            rescale_text, screen, sim_runner_like, speed_scale
         from tuner.simulation.step_time_model import StepTimeModel
 
         if not measured_steps(study):
@@ -157,16 +157,14 @@ class TuneSession:
 
         def rank(model: StepTimeModel | None) -> list[tuple[dict[str, Any], dict[str, Any]]]:
             assert model is not None
-            rescaled = model.meta.get("rescaled")
+            scaled = rescale_text(model)
             if not rescreen.rankings:
                 say(f"{PROG}: screening {n} configs in the simulator"
-                    + (f" (step times x{rescaled['scale']:.2f}: the profile rescaled to {rescaled['steps']} steps the"
-                       f" engine just ran)" if rescaled else " (profile as calibrated: no engine steps measured yet)")
-                    + " ...")
+                    + (f" ({scaled}: the steps the engine just ran)" if scaled
+                       else " (profile as calibrated: no engine steps measured yet)") + " ...")
             else:
-                say(f"{PROG}: the engine's speed moved from x{rescreen.scale:.2f} to x{speed_scale(model):.2f} (the "
-                    f"profile rescaled to {rescaled['steps'] if rescaled else 0} steps of the real trials so far): "
-                    f"screening the {n} configs again ...")
+                say(f"{PROG}: the engine's speed moved from x{rescreen.scale:.2f} to x{speed_scale(model):.2f} "
+                    f"({scaled or 'not rescaled'}; the real trials so far): screening the {n} configs again ...")
             t0 = time.monotonic()
             ranked = screen(policy=self.policy, runner=sim_runner_like(runner, model=model), n=n,
                             out_dir=self.trials_dir)

@@ -1,6 +1,12 @@
 """Judging a canary: its attainment against the window before it (a Newcombe interval of the difference of the two
 shares). Keep it when it is better beyond the noise (after ``min_window`` and ``min_requests``); roll back at once
-when it is worse by more than ``rollback_drop`` beyond the noise; roll back at the end of ``max_window`` otherwise."""
+when it is worse by more than ``rollback_drop`` beyond the noise; roll back at the end of ``max_window`` otherwise.
+
+A canary that inherits a queue the config before could not keep up with (that queue grew over the window before)
+cannot show better attainment in its window: its own arrivals wait behind the inherited requests, first come first
+served. It is judged by what it does to that queue instead: kept when it finishes requests faster than the config
+before did (both backlogged, so a finishing rate is the config's service rate; a Poisson rate-ratio interval
+above 1) while the queue shrinks."""
 
 from __future__ import annotations
 
@@ -9,9 +15,23 @@ from typing import Any
 
 from policies.control import Canary
 from tuner.control.window import WindowStats
-from tuner.measure.statistics import Interval, proportion_difference_interval
+from tuner.measure.statistics import Interval, proportion_difference_interval, rate_ratio_interval
 
 MIN_FOR_ROLLBACK = 5  # finished canary requests before an early rollback is judged
+MIN_QUEUE_GROWTH = 3  # requests: a window before whose queue grew by fewer than this (or 10 % of its finished) kept up
+
+
+def fell_behind(before: WindowStats) -> bool:
+    """The config before did not keep up: its queue grew over its window."""
+    return before.arrived - before.finished >= max(MIN_QUEUE_GROWTH, 0.1 * before.finished)
+
+
+def drains(before: WindowStats, canary: WindowStats) -> Interval | None:
+    """When the canary inherited the queue of a config that fell behind: the ratio of its finishing rate to the
+    config before's if the queue shrank under it (else None)."""
+    if not fell_behind(before) or canary.arrived >= canary.finished:
+        return None
+    return rate_ratio_interval(canary.finished, canary.seconds, before.finished, before.seconds)
 
 
 @dataclass(frozen=True)
@@ -41,6 +61,13 @@ def judge(before: WindowStats, canary: WindowStats, elapsed: float, spec: Canary
             return CanaryVerdict("keep", f"better beyond the noise: attainment +{own_diff.format(scale=100, unit=' pp')}"
                                          f" over {own.finished} requests"
                                          + ("" if own is canary else " that arrived under the canary"), own_diff)
+    drained = drains(before, canary) if own is None else None
+    if drained is not None and elapsed >= spec.min_window and canary.finished >= spec.min_requests \
+            and drained.low > 1.0:
+        return CanaryVerdict("keep", f"drains the queue the config before left (it fell behind): finishes "
+                                     f"{drained.format('x', 1, 3)} the requests/s of the config before, the queue "
+                                     f"{canary.finished - canary.arrived} shorter after {canary.finished} requests",
+                             diff)
     if elapsed >= spec.max_window:
         why = "too few requests" if canary.finished < spec.min_requests else "no improvement beyond the noise"
         return CanaryVerdict("rollback", f"{why} within canary.max_window ({spec.max_window:g}s): attainment "

@@ -113,10 +113,11 @@ def _ranked(p: Prediction, target: float) -> tuple[bool, float, float]:
 
 def search(policy: Policy, current: dict[str, Any], resolved: dict[str, Any], shape: Shape,
            steps: list[dict[str, Any]], study_knobs: list[dict[str, Any]], *, target: float,
-           profile: str | Path | None = None, seed: int = 0) -> Search:
-    """Screen one move's candidates at the live rate times the policy's headroom; the best one if it beats the
-    applied config's prediction (attainment reaching the target where the applied one's does not, or goodput by
-    MIN_GAIN)."""
+           profile: str | Path | None = None, seed: int = 0, backlog: int = 0) -> Search:
+    """Screen one move's candidates at the live rate times the policy's headroom, starting from the engine's live
+    queue (``backlog`` requests waiting or running: a config that only keeps up once the queue is empty would
+    otherwise look fine); the best one if it beats the applied config's prediction (attainment reaching the target
+    where the applied one's does not, or goodput by MIN_GAIN)."""
     from tuner.simulation.simulator import limits_of
 
     retune = policy.control.retune
@@ -125,8 +126,8 @@ def search(policy: Policy, current: dict[str, Any], resolved: dict[str, Any], sh
     rate = max(0.05, shape.arrival_rate * retune.headroom)
     slo = SLO(tbt_p99=policy.slo.tbt_p99, ttft_p99=policy.slo.ttft_p99, e2e_p99=policy.slo.e2e_p99)
     sim = SimTrialRunner(model, limits=limits_of(model), workload=workload, rate=rate, duration=retune.sim_duration,
-                         warmup=3.0, slo=slo, seed=seed, base_knobs=dict(current))
-    info = {"workload": {**workload.as_dict(), "rate": round(rate, 4)},
+                         warmup=3.0, slo=slo, seed=seed, base_knobs=dict(current), backlog=backlog)
+    info = {"workload": {**workload.as_dict(), "rate": round(rate, 4), "backlog": backlog},
             "model": {"rescaled": model.meta.get("rescaled"), "steps": len(steps)}}
 
     def predict(knobs: dict[str, Any]) -> Prediction:

@@ -33,6 +33,11 @@ from tuner.trials.engine_handle import ConfigRejected, EngineError
 WINDOW_COVER = 0.8  # a trigger window must span at least this share of its length within one config generation
 
 
+def queued(scrape: Scrape) -> int:
+    """Requests in the engine (running, waiting or preempted) at a scrape."""
+    return round(sum(scrape.get(f"slotune_num_requests_{q}") for q in ("running", "waiting", "preempted")))
+
+
 @dataclass
 class CanaryRun:
     id: int
@@ -256,7 +261,7 @@ class Controller:
             try:
                 found = search(self.policy, current, resolved, shape, recent_steps, self.study_knobs(),
                                target=self.policy.control.triggers.attainment_target, profile=self.profile,
-                               seed=self.state.next_id)
+                               seed=self.state.next_id, backlog=queued(self.history[-1]))
             except Exception as error:  # a retune that fails is a decision not to move; the controller keeps watching
                 self.decide("no_move", trigger, f"the retune failed: {type(error).__name__}: {error}",
                             before=before.as_dict(), shape=shape.as_dict())
@@ -294,7 +299,7 @@ class Controller:
                  f"(lease {spec.lease_s:g}s): {found.reason}")
         start = self.scrape()
         first = start or self.history[-1]
-        inherited = round(sum(first.get(f"slotune_num_requests_{q}") for q in ("running", "waiting", "preempted")))
+        inherited = queued(first)
         self.canary = CanaryRun(did, int(applied["generation"]), kept, time.time(), first, before, trigger, found,
                                 inherited)
 

@@ -8,6 +8,8 @@ and confirm the best few on the engine (predicted against measured, side by side
 
 from __future__ import annotations
 
+import math
+
 import json
 import warnings
 from dataclasses import dataclass, field
@@ -112,8 +114,20 @@ def measured_steps(study: optuna.Study) -> list[dict[str, Any]]:
 
 
 def speed_scale(model: StepTimeModel | None) -> float:
-    """The factor ``model``'s step times were rescaled by to the engine's (1.0: the profile as calibrated)."""
-    return float(((model.meta if model is not None else {}).get("rescaled") or {}).get("scale", 1.0))
+    """The factor ``model``'s step times were rescaled by to the engine's (1.0: the profile as calibrated): the
+    geometric mean of its decode and prefill factors, one number whose move triggers a new ranking."""
+    r = (model.meta if model is not None else {}).get("rescaled") or {}
+    decode = float(r.get("scale", 1.0))
+    return math.sqrt(decode * float(r.get("prefill_scale", decode)))
+
+
+def rescale_text(model: StepTimeModel | None) -> str:
+    """``decode steps x1.67, prefill steps x1.39 (rescaled to 786 engine steps)``; empty when not rescaled."""
+    r = (model.meta if model is not None else {}).get("rescaled")
+    if not r:
+        return ""
+    return (f"decode steps x{r['scale']:.2f}, prefill steps x{r.get('prefill_scale', r['scale']):.2f} (rescaled to "
+            f"{r['steps']} engine steps)")
 
 
 # A screened config as the study enqueues it: the sampler's params, and the prediction kept in its user attrs.

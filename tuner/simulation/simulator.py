@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -345,16 +345,22 @@ def _records(specs: list[RequestSpec], seq_of: list[Sequence | None], times: dic
 # Load-test-shaped runs ------------------------------------------------------------------------------------------
 def simulate_load(cfg: Any, knobs: dict[str, Any], timer: StepTimer, *, limits: ModelLimits = DEFAULT_LIMITS,
                   slo: SLO | None = None, window: tuple[float, float] | None = None,
-                  t0: float | None = None) -> tuple[SimResult, dict[str, Any]]:
+                  t0: float | None = None, backlog: int = 0) -> tuple[SimResult, dict[str, Any]]:
     """Simulate the load test ``cfg`` (a loadtest.config.LoadConfig: workload, arrivals, rate, duration, scales,
     seed, timeouts) on an engine with ``knobs``; returns the result and its summary (loadtest.summary.summarize,
-    with the schedule's description, like a real load test's). Raises ConfigError for a bad knob."""
+    with the schedule's description, like a real load test's). ``backlog``: that many more requests of the same
+    workload already waiting at the start (a live engine's queue; they finish outside any measured window but
+    hold the engine while it drains them). Raises ConfigError for a bad knob."""
     from loadtest.schedule import build_schedule
 
     config = EngineConfig.create(limits, **knobs)
     schedule = build_schedule(cfg)
+    requests = list(schedule.requests)
+    if backlog > 0 and requests:
+        n = len(requests)
+        requests += [replace(requests[i % n], index=n + i, at=0.0) for i in range(backlog)]
     options = SimOptions(drain_timeout=cfg.drain_timeout, request_timeout=cfg.request_timeout, t0=t0, seed=cfg.seed)
-    result = simulate(schedule.requests, config, timer, limits=limits, options=options,
+    result = simulate(requests, config, timer, limits=limits, options=options,
                       token_space=TokenSpace.parse_range(cfg.token_range, cfg.seed))
     slo = slo or SLO(cfg.slo_p99_tbt, cfg.slo_p99_ttft, cfg.slo_p99_e2e)
     meta = {**schedule.meta, "url": None, "simulated": True, "start_time": result.t0,

@@ -58,6 +58,7 @@ class SimTrialRunner:
     seed: int = 0
     drain_timeout: float = 10.0
     base_knobs: dict[str, Any] = field(default_factory=dict)  # the config a trial's knobs are laid over
+    backlog: int = 0  # requests already queued when a trial starts (a live engine's queue; see simulate_load)
 
     def __post_init__(self) -> None:
         if isinstance(self.workload, str):
@@ -79,7 +80,7 @@ class SimTrialRunner:
         cfg = self.load_config(rate, seed)
         try:
             result, summary = simulate_load(cfg, full, self.timer, limits=self.limits, slo=self.slo,
-                                            window=(self.warmup, self.warmup + self.duration))
+                                            window=(self.warmup, self.warmup + self.duration), backlog=self.backlog)
         except ConfigError as error:
             return TrialOutcome(knobs=full, summary={}, step_stats=step_stats([]), feasible=False,
                                 reason=f"rejected by the engine: {error}", out_dir=out_dir, simulated=True, rate=rate)

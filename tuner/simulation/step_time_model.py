@@ -108,6 +108,9 @@ class StepTimeModel:
     # Measured / predicted step time of the profiled steps, sorted (at most NOISE_POINTS, evenly spaced quantiles):
     # the engine's own step-to-step variation (CPU contention, allocator, GC), which sets the tail of the TBT.
     noise: list[float] = field(default_factory=list)
+    # A step that prefills takes this factor times its prediction (1.0 as fitted; a rescale to a machine whose
+    # prefill and decode steps moved by different factors sets it, see rescaled)
+    prefill_factor: float = 1.0
     _warned: set[str] = field(default_factory=set, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -156,12 +159,14 @@ class StepTimeModel:
 
     def rescaled(self, steps: Iterable[Mapping[str, Any]], block_size: int | None = None,
                  min_steps: int = MIN_RESCALE_STEPS) -> StepTimeModel | None:
-        """This model with every coefficient scaled by the median measured/predicted ratio of ``steps`` (a real
-        trial's): the machine's drift since calibration (other load on the box, another clock) corrected without
-        refitting the model's shape, which one trial's few step shapes could not pin down. The step-to-step variation
-        stays the profile's: measured over all calibration configs, it is a broader sample than one trial's (with
-        the trial's own, held-out p99 TBT predictions got worse in the fidelity benchmark). None when fewer than
-        ``min_steps`` records do work."""
+        """This model rescaled to ``steps`` (a real trial's): decode-only steps by the median measured/predicted
+        ratio of those among ``steps``, steps that prefill by the median ratio of theirs (a machine's matrix units
+        and its memory bandwidth move differently from the calibration CPU's: one such run's prefill steps ran 1.39x
+        the profile, its decode steps 1.67x). A side with fewer than ``min_steps`` records takes the median of all.
+        The model's shape is not refitted (one trial's few step shapes could not pin it down), and the step-to-step
+        variation stays the profile's: measured over all calibration configs, it is a broader sample than one
+        trial's (with the trial's own, held-out p99 TBT predictions got worse in the fidelity benchmark). None when
+        fewer than ``min_steps`` records do work."""
         steps = [s for s in steps if s["num_prefill_tokens"] + s["num_decode_tokens"] > 0 and s["total_s"] > 0]
         if len(steps) < min_steps:
             return None
@@ -169,12 +174,22 @@ class StepTimeModel:
             warnings.simplefilter("ignore", ExtrapolationWarning)  # a trial's own shapes may leave the profile
             pred = np.array([self.predict_record(s, block_size) for s in steps])
         y = np.array([float(s["total_s"]) for s in steps])
+        prefills = np.array([s["num_prefill_seqs"] > 0 for s in steps])
         ok = pred > 0
-        scale = float(np.median(y[ok] / pred[ok]))
-        return StepTimeModel(coef={k: v * scale for k, v in self.coef.items()}, ranges=self.ranges, gap_s=self.gap_s,
-                             request_latency_s=self.request_latency_s, token_latency_s=self.token_latency_s,
-                             fit_error=self.fit_error, noise=list(self.noise),
-                             meta={**self.meta, "rescaled": {"scale": scale, "steps": int(ok.sum())}})
+        overall = float(np.median(y[ok] / pred[ok]))
+
+        def median_of(side: np.ndarray) -> float:
+            sel = ok & side
+            return float(np.median(y[sel] / pred[sel])) if sel.sum() >= min_steps else overall
+
+        decode, prefill = median_of(~prefills), median_of(prefills)
+        return StepTimeModel(coef={k: v * decode for k, v in self.coef.items()}, ranges=self.ranges,
+                             gap_s=self.gap_s, request_latency_s=self.request_latency_s,
+                             token_latency_s=self.token_latency_s, fit_error=self.fit_error, noise=list(self.noise),
+                             prefill_factor=self.prefill_factor * prefill / decode,
+                             meta={**self.meta, "rescaled": {"scale": decode, "prefill_scale": prefill,
+                                                            "steps": int(ok.sum()),
+                                                            "prefill_steps": int((ok & prefills).sum())}})
 
     # Predicting ---------------------------------------------------------------------------------------------
     def predict(self, num_prefill_seqs: int, num_prefill_tokens: int, num_decode_tokens: int, context_tokens: int,
@@ -186,7 +201,8 @@ class StepTimeModel:
                           "block_size": block_size})
         row = feature_row(num_prefill_seqs, num_prefill_tokens, num_decode_tokens, context_tokens, block_size,
                           num_swapped_blocks)
-        return float(sum(self.coef[f] * v for f, v in zip(FEATURES, row)))
+        t = float(sum(self.coef[f] * v for f, v in zip(FEATURES, row)))
+        return t * self.prefill_factor if num_prefill_seqs else t
 
     def predict_record(self, step: Mapping[str, Any], block_size: int | None = None) -> float:
         i = _inputs(step, block_size)
@@ -205,15 +221,17 @@ class StepTimeModel:
         c0, c_tok, c_seq, c_pseq = c["const"], c["tokens"], c["seqs"], c["prefill_seqs"]
         c_ctx = c["context_tokens"] + c["context_blocks"] / block_size
         c_sq, c_swap, c_pstep = c["prefill_square"], c["swapped_blocks"], c["prefill_step"]
+        pf = self.prefill_factor
 
         def step_time(prefill_seqs: int, prefill_tokens: int, decode_tokens: int, context_tokens: int,
                       swapped_blocks: int) -> float:
             t = c0 + c_tok * (prefill_tokens + decode_tokens) + c_seq * (prefill_seqs + decode_tokens) \
                 + c_ctx * context_tokens
-            if prefill_seqs:
-                t += c_pstep + c_pseq * prefill_seqs + c_sq * prefill_tokens * prefill_tokens / prefill_seqs
             if swapped_blocks:
                 t += c_swap * swapped_blocks
+            if prefill_seqs:
+                t += c_pstep + c_pseq * prefill_seqs + c_sq * prefill_tokens * prefill_tokens / prefill_seqs
+                t *= pf
             return t
 
         if noise is None:
@@ -254,7 +272,7 @@ class StepTimeModel:
                 "gap_s": self.gap_s, "request_latency_s": self.request_latency_s,
                 "token_latency_s": self.token_latency_s,
                 "fit_error": asdict(self.fit_error) if self.fit_error else None, "noise": self.noise,
-                "meta": self.meta}
+                "prefill_factor": self.prefill_factor, "meta": self.meta}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str = "profile") -> StepTimeModel:
@@ -271,7 +289,8 @@ class StepTimeModel:
                    gap_s=float(d.get("gap_s", 0.0)), request_latency_s=float(d.get("request_latency_s", 0.0)),
                    token_latency_s=float(d.get("token_latency_s", 0.0)),
                    fit_error=FitError(**fe) if fe else None, meta=dict(d.get("meta") or {}),
-                   noise=[float(v) for v in d.get("noise") or []])
+                   noise=[float(v) for v in d.get("noise") or []],
+                   prefill_factor=float(d.get("prefill_factor", 1.0)))
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
