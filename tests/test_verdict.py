@@ -89,14 +89,37 @@ def test_a_claim_that_does_not_hold_on_fresh_draws_steps_down_to_what_they_show(
 
 def test_the_default_s_search_probes_count_and_a_default_that_serves_nothing_has_no_finite_ratio() -> None:
     truth = {"default": 0.0, "candidate 1": 1.5}
-    d = Contender("default", {}, 0.5, search_high=0.5)
-    d.add(Sample(0.5, -1, 10, 40), 0.95)  # its search: 25 % at 0.5 req/s
+    d = Contender("default", {}, 0.0, search_high=1.2)
+    d.add(Sample(1.2, -1, 34, 40), 0.95)  # its search: 85 % at 1.2 req/s, undecided
     c = Contender("candidate 1", {}, 1.2)
     r = paired_verdict(d, [c], world(truth, 1), max_rounds=4, budget_s=1e9)
     assert r.winner is c and d.capacity().value == 0.0
     assert math.isinf(r.ratio(c).value) and r.ratio(c).low >= 1.0
-    assert "not shown to serve 0.5 req/s" in verdict_line(r, "p99 TBT <= 50ms")
-    assert d.pools[0.5].requests > 40  # the fresh draw pooled with the search's probe
+    # the default missed beside the candidate, at the candidate's capacity: the ratio's low end is 1
+    assert f"not shown to serve {c.capacity().value:.3g} req/s" in verdict_line(r, "p99 TBT <= 50ms")
+    assert d.pools[1.2].requests > 40  # measured beside the candidate, pooled with the search's probe
+
+
+def test_the_default_is_measured_beside_the_candidate_on_the_same_draw() -> None:
+    truth = {"default": 1.0, "candidate 1": 1.5}
+    seen: list[tuple[str, float, int]] = []
+    inner = world(truth, 2)
+
+    def measure_at(c: Contender, rate: float, draw: int) -> Sample:
+        seen.append((c.name, rate, draw))
+        return inner(c, rate, draw)
+
+    d, c = Contender("default", {}, 1.0, search_high=1.15), Contender("candidate 1", {}, 2.0)
+    paired_verdict(d, [c], measure_at, max_rounds=4, budget_s=1e9)
+    by_draw: dict[int, dict[str, float]] = {}
+    for name, rate, draw in seen:
+        by_draw.setdefault(draw, {})[name] = rate
+    for rates in by_draw.values():  # whenever both ran in a round: at one rate
+        if len(rates) == 2:
+            assert rates["default"] == rates["candidate 1"]
+    assert seen[0][0] == "default" and seen[1][0] == "candidate 1"  # round 1: the default first
+    if len(by_draw) > 1 and len(by_draw[101]) == 2:
+        assert [n for n, _, dr in seen if dr == 101] == ["candidate 1", "default"]  # the order alternates
 
 
 def test_the_verdict_stops_when_the_next_round_would_exceed_the_budget() -> None:

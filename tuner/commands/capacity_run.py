@@ -157,11 +157,8 @@ class CapacityRun:
             h = (t.user_attrs["capacity"].get("bracket") or [None, None])[1]
             return math.inf if h is None else float(h)
 
-        # the default is measured first at its ceiling (the lowest rate its search did not show served)
-        d_high = high(default)
-        d = Contender(DEFAULT, dict(default.user_attrs["knobs"]),
-                      d_high if math.isfinite(d_high) else max(default.values[0], self.p.capacity.start_rate),
-                      search_high=d_high)
+        # the default is measured at the candidates' rates (paired_verdict); its claim is its searched capacity
+        d = Contender(DEFAULT, dict(default.user_attrs["knobs"]), default.values[0], search_high=high(default))
         for probe in default.user_attrs["capacity"].get("probes") or []:
             if "requests" in probe:
                 d.add(Sample(probe["rate"], -1, int(probe["attaining"]), int(probe["requests"]), probe.get("reason"),
@@ -187,8 +184,8 @@ class CapacityRun:
         if not candidates and not any(t.values[0] > 0 for t in measured(self.study) if "capacity" in t.user_attrs):
             return self.none_shown()
         say(f"{PROG}: verdict: the default and {len(candidates)} candidate(s) at fixed rates (a candidate at its "
-            f"claimed capacity, the default at its ceiling), requests pooled per rate over fresh arrival draws, the "
-            f"same draw for every config in a round, up to {p.verdict.max_rounds} rounds or "
+            f"claimed capacity, the default beside it), requests pooled per rate over fresh arrival draws, the same "
+            f"draw for every config in a round, up to {p.verdict.max_rounds} rounds or "
             f"{format_duration(p.verdict.budget)} ...")
         # the verdict gets its budget, or what is left of the run's when the searches ran late (two rounds at least)
         budget = max(0.0, min(p.verdict.budget, self.s.started + p.time_budget - time.monotonic()))

@@ -5,20 +5,20 @@ above 90 %). So one config beats another when it is shown to serve a rate the ot
 facts are binomial counts at fixed rates, and counts at one rate pool across measurements. The verdict therefore
 measures each config at a fixed rate per round instead of searching its capacity again:
 
-- the candidate at the capacity its search claimed, the default config at the lowest rate its search did not show
-  served (its ceiling, capped at the candidate's claim);
+- the candidate at the capacity its search claimed, the default config at the same rate (the candidate's rate of
+  the round: a miss there is what "better" needs);
 - round after round on fresh arrival draws, the same draw for every config of a round (common random numbers), the
   order alternating; each config's requests at a rate pool across the rounds, so that an attainment at the edge
   (93 % against 90 %) gets the hundreds of requests it needs instead of a coin flip per round;
 - a candidate not shown to serve its claim steps down a rate when its pool there was missed or is unlikely to reach
-  "met" with one more measurement; the default not shown to miss its ceiling steps up (met, or unlikely to reach
-  "missed" with one more), a step or halfway to the candidate's rate, never past it: rounds are few, so each goes
-  where it likely decides;
+  "met" with one more measurement (rounds are few, so each goes where it likely decides), and the default follows
+  it;
 - the default's search probes pool with its verdict's (nothing selected it for them); a candidate's do not (it was
   picked for how its search draw went: the winner's curse), so its claimed capacity is only what fresh draws show.
 
 The candidate is **better** when it is shown to serve a rate at or above one where the default is shown to miss;
-**not better** when the default is shown to serve a rate at or above one where the candidate is shown to miss. Each
+**not better** when the default is shown to serve a rate at or above one where the candidate is shown to miss, or
+the rate the candidate showed as its capacity. Each
 pooled verdict is looked at after every round, so each look gets a Bonferroni share of the error rate
 (:func:`look_level`). A config's capacity is its bracket (the highest rate shown served; the lowest not shown served),
 the ratio's interval the brackets' ratios (low: candidate's low / default's high). A pool is judged at the strictest
@@ -184,7 +184,8 @@ class VerdictResult:
         d_served, d_missed = self.default.shown_served(), self.default.shown_missed()
         if served > 0 and served >= d_missed:
             return "better"
-        if d_served > 0 and d_served >= missed:
+        # the default serves a rate the candidate misses, or serves what the candidate showed as its capacity
+        if d_served > 0 and (d_served >= missed or (c.next_rate is None and d_served >= served)):
             return "not better"
         return "undecided"
 
@@ -234,48 +235,52 @@ class VerdictResult:
 MeasureAt = Callable[[Contender, float, int], Sample]
 
 
-def plan_next(c: Contender, result: VerdictResult, step: float, floor: float, more: int) -> None:
-    """Where ``c`` is measured next round, from its pool at the rate just measured; ``more``: the requests another
-    round would add there (about the last sample's). None when the decision needs nothing more of it."""
+def plan_next(c: Contender, step: float, floor: float, more: int) -> None:
+    """Where candidate ``c`` is measured next round, from its pool at the rate just measured; ``more``: the requests
+    another round would add there (about the last sample's). None once its capacity is shown or it reached
+    ``floor``."""
     rate = c.next_rate
     if rate is None:
         return
     pool = c.pools[round(rate, 9)]
     v = pool.verdict()
-    if c.is_default:
-        # no higher than any candidate's claim (or, once shown, its served rate): above it a miss decides nothing
-        top = max((x.shown_served() or x.claim for x in result.candidates), default=rate)
-        if v == "missed":
-            c.next_rate = None  # its ceiling is shown: what the candidates' "better" needs
-        elif v == "met" or not pool.likely("missed", more):
-            # a step up, or halfway (geometrically) to the top when that is further: a far better candidate
-            # needs the default's miss at its own rate, not at the default's next rate up
-            up = min(max(rate * step, math.sqrt(rate * top)), top)
-            c.next_rate = up if up > rate * (1 + 1e-9) else None
-    else:
-        if v == "met":
-            c.next_rate = None  # its capacity is shown
-        elif v == "missed" or not pool.likely("met", more):
-            down = rate / step
-            c.next_rate = down if down >= floor * (1 - 1e-9) else None
+    if v == "met":
+        c.next_rate = None  # its capacity is shown
+    elif v == "missed" or not pool.likely("met", more):
+        down = rate / step
+        c.next_rate = down if down >= floor * (1 - 1e-9) else None
+
+
+def default_rate(result: VerdictResult) -> float | None:
+    """Where the default config is measured this round: at the rate of the leading undecided candidate (the
+    highest it has shown served, else the rate it is measured at), so that each round pairs the two at one rate on
+    one draw. A miss there is what "better" needs, and a config at the edge of 90 % over a range of rates (as the
+    default's long prefills keep it) misses most surely at the highest rate that can still decide. None when
+    nothing more of the default can decide: no candidate is undecided, or it is already shown to miss there."""
+    undecided = [c for c in result.candidates if result.outcome(c) == "undecided"]
+    rates = [c.shown_served() or c.next_rate for c in undecided]
+    target = max((r for r in rates if r), default=None)
+    if target is None or result.default.shown_missed() <= target * (1 + 1e-9):
+        return None
+    return target
 
 
 def paired_verdict(default: Contender, candidates: list[Contender], measure_at: MeasureAt, max_rounds: int = 4,
                    budget_s: float = 300.0, level: float = DEFAULT_LEVEL, step: float = 1.3, floor: float = 0.0,
                    first_draw: int = 100, on_round: Callable[[int, VerdictResult], None] | None = None,
                    clock: Callable[[], float] = time.monotonic) -> VerdictResult:
-    """Rounds of one measurement per config still needed, each at its planned rate on the round's draw, the order
-    alternating, until every candidate's outcome is decided (or the best one is better), nothing is left to
-    measure, the rounds run out, or the next round would not fit in what is left of ``budget_s`` (judged by the
-    slowest round so far; the first round always runs). ``floor``: the lowest rate a candidate steps down to."""
+    """Rounds of one measurement per config still needed on the round's draw, the order alternating, until every
+    candidate's outcome is decided (or the best one is better), nothing is left to measure, the rounds run out, or
+    the next round would not fit in what is left of ``budget_s`` (judged by the slowest round so far; the first
+    round always runs). A candidate is measured at its planned rate (:func:`plan_next`), the default at the leading
+    candidate's (:func:`default_rate`). ``floor``: the lowest rate a candidate steps down to."""
     result = VerdictResult(default, candidates, level, max_rounds)
-    default.next_rate = min(default.next_rate or default.claim, max((c.claim for c in candidates), default=math.inf))
     started, slowest = clock(), 0.0
     exhausted = False  # nothing left to measure that could decide
     for r in range(max_rounds):
+        default.next_rate = default_rate(result)
         open_ = [c for c in candidates if result.outcome(c) == "undecided" and c.next_rate is not None]
-        needs_default = any(result.outcome(c) == "undecided" for c in candidates) and default.next_rate is not None
-        everyone = ([default] if needs_default else []) + open_
+        everyone = ([default] if default.next_rate is not None else []) + open_
         if not everyone:
             exhausted = True
             break
@@ -289,7 +294,8 @@ def paired_verdict(default: Contender, candidates: list[Contender], measure_at: 
             sample = measure_at(c, rate, first_draw + r)
             c.add(sample, result.look)
             c.rounds += 1
-            plan_next(c, result, step, floor, max(sample.requests, 1))
+            if not c.is_default:
+                plan_next(c, step, floor, max(sample.requests, 1))
         slowest = max(slowest, clock() - t0)
         if on_round is not None:
             on_round(r + 1, result)
