@@ -146,3 +146,28 @@ def test_the_verdict_record_names_pools_outcomes_and_levels() -> None:
     cand = doc["candidates"][0]
     assert cand["outcome"] in ("better", "not better", "undecided") and cand["pools"]
     assert {"rate", "requests", "attaining", "attainment", "verdict", "samples"} <= set(cand["pools"][0])
+
+
+def test_a_default_at_the_edge_at_every_rate_loses_to_a_candidate_that_attains_more_where_it_serves() -> None:
+    # the default's long prefills stall ~11 % of the requests at any load: 89 % attain from 0.5 to 1.4 req/s, never
+    # shown to miss 90 % with the requests a run affords; the candidate attains ~100 % at 1.35 req/s
+    def measure_at(c: Contender, rate: float, draw: int) -> Sample:
+        rng = np.random.default_rng([draw, zlib.crc32(c.name.encode()), int(rate * 1000)])
+        n = int(rng.poisson(rate * WINDOW_S))
+        share = 0.89 if c.is_default else attainment(rate, 1.8)
+        return Sample(rate, draw, int(rng.binomial(n, share)), n)
+
+    d = Contender("default", {}, 0.0, search_high=0.5)
+    d.add(Sample(0.5, -1, 47, 52), 0.95)  # its search: 90 % of 52 at 0.5 req/s, undecided
+    c = Contender("candidate 1", {}, 1.76, next_rate=1.35)
+    r = paired_verdict(d, [c], measure_at, max_rounds=4, budget_s=1e9)
+    assert r.outcome(c) == "better" and d.shown_missed() == math.inf  # better, though the default never missed
+    diff = r.paired_difference(c, c.capacity().value)
+    assert diff is not None and diff.low > 0
+    assert r.ratio(c).low >= 1.35 / 0.5 * 0.99  # against the lowest rate the default was not shown to serve
+    # the same default against a candidate that attains no more than it where it serves: not better
+    same = Contender("candidate 1", {}, 1.76, next_rate=1.35)
+    d2 = Contender("default", {}, 0.0, search_high=0.5)
+    r2 = paired_verdict(d2, [same], lambda x, rate, draw: measure_at(d2 if x is same else x, rate, draw),
+                        max_rounds=4, budget_s=1e9)
+    assert r2.winner is None

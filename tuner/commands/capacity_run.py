@@ -163,8 +163,11 @@ class CapacityRun:
             if "requests" in probe:
                 d.add(Sample(probe["rate"], -1, int(probe["attaining"]), int(probe["requests"]), probe.get("reason"),
                              probe.get("output_tokens_per_s"), probe.get("describe", "")), self.p.measurement.level)
+        # a candidate's searched capacity is the best of the searched configs on one draw (the winner's curse): its
+        # verdict starts one step below it, where fresh draws are likely to show it served
+        step = 1 + 2 * self.p.capacity.resolution
         return d, [Contender(f"candidate {i + 1} (trial #{t.number})", dict(t.user_attrs["knobs"]), t.values[0],
-                             search_high=high(t)) for i, t in enumerate(others)]
+                             search_high=high(t), next_rate=t.values[0] / step) for i, t in enumerate(others)]
 
     def measure_at(self, c: Contender, rate: float, draw: int) -> Sample:
         """One measurement of the contender at ``rate`` on arrival draw ``draw``, sized at the verdict's per-look
@@ -242,13 +245,12 @@ class CapacityRun:
         say(f"  round {r}: " + "; ".join(parts))
 
     def choose(self, result: VerdictResult) -> tuple[Contender, bool]:
-        """The winner (shown on fresh draws to serve a rate the default is shown to miss), else the safest config;
-        a candidate whose claim did not hold on fresh draws is said so."""
+        """The winner (shown better on fresh draws), else the safest config; its capacity is what fresh draws showed,
+        not its search's."""
         w = result.winner
         if w is not None:
-            if w.capacity().value < w.claim * (1 - 1e-9):
-                say(f"{PROG}: {w.name} did not hold its searched capacity {w.claim:.3g} req/s on fresh draws; its "
-                    f"capacity is what they showed, {w.capacity().value:.3g} req/s")
+            say(f"{PROG}: {w.name}: searched capacity {w.claim:.3g} req/s on one draw, {w.capacity().value:.3g} "
+                f"req/s shown on fresh draws")
             return w, True
         for c in result.candidates:
             if c.shown_served() <= 0:

@@ -5,8 +5,9 @@ above 90 %). So one config beats another when it is shown to serve a rate the ot
 facts are binomial counts at fixed rates, and counts at one rate pool across measurements. The verdict therefore
 measures each config at a fixed rate per round instead of searching its capacity again:
 
-- the candidate at the capacity its search claimed, the default config at the same rate (the candidate's rate of
-  the round: a miss there is what "better" needs);
+- the candidate one step below the capacity its search claimed (the best of the searched configs on one draw is
+  likely to have been lucky there), the default config at the same rate on the same draw (a miss there is what
+  "better" needs);
 - round after round on fresh arrival draws, the same draw for every config of a round (common random numbers), the
   order alternating; each config's requests at a rate pool across the rounds, so that an attainment at the edge
   (93 % against 90 %) gets the hundreds of requests it needs instead of a coin flip per round;
@@ -16,7 +17,10 @@ measures each config at a fixed rate per round instead of searching its capacity
 - the default's search probes pool with its verdict's (nothing selected it for them); a candidate's do not (it was
   picked for how its search draw went: the winner's curse), so its claimed capacity is only what fresh draws show.
 
-The candidate is **better** when it is shown to serve a rate at or above one where the default is shown to miss;
+The candidate is **better** when it is shown to serve a rate at or above one where the default is shown to miss, or
+when, at a rate it is shown to serve, the default (shown to serve no rate up to there) attains fewer of the same
+arrivals beyond the noise (a paired difference of the two attainments: a default at the edge of 90 % over a range
+of rates is never shown to miss with the requests a run can afford);
 **not better** when the default is shown to serve a rate at or above one where the candidate is shown to miss, or
 the rate the candidate showed as its capacity. Each
 pooled verdict is looked at after every round, so each look gets a Bonferroni share of the error rate
@@ -33,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from tuner.measure.measurement import TARGET_SHARE, MeasurementSpec, out_of_reach
-from tuner.measure.statistics import DEFAULT_LEVEL, Interval, Verdict, lower_verdict, proportion_interval
+from tuner.measure.statistics import (DEFAULT_LEVEL, Interval, Verdict, lower_verdict, proportion_difference_interval,
+                                      proportion_interval)
 
 DEFAULT = "default"
 Outcome = Literal["better", "not better", "undecided"]
@@ -182,12 +187,33 @@ class VerdictResult:
     def outcome(self, c: Contender) -> Outcome:
         served, missed = c.shown_served(), c.shown_missed()
         d_served, d_missed = self.default.shown_served(), self.default.shown_missed()
-        if served > 0 and served >= d_missed:
+        if served > 0 and (served >= d_missed or self.attains_more(c, served)):
             return "better"
         # the default serves a rate the candidate misses, or serves what the candidate showed as its capacity
         if d_served > 0 and (d_served >= missed or (c.next_rate is None and d_served >= served)):
             return "not better"
         return "undecided"
+
+    def paired_difference(self, c: Contender, rate: float) -> Interval | None:
+        """The candidate's attainment at ``rate`` minus the default's there (Newcombe, at the per-look level), when
+        both were measured at that rate (the verdict measures them there on the same draws)."""
+        mine, theirs = c.pools.get(round(rate, 9)), self.default.pools.get(round(rate, 9))
+        if mine is None or theirs is None or not mine.requests or not theirs.requests:
+            return None
+        return proportion_difference_interval(mine.attaining, mine.requests, theirs.attaining, theirs.requests,
+                                              self.look)
+
+    def attains_more(self, c: Contender, rate: float) -> bool:
+        """At ``rate``, which the candidate is shown to serve: the default is not shown to serve it, nor any rate
+        up to it, and attains fewer of the same arrivals beyond the noise. A default at the edge of 90 % over a
+        range of rates (its long prefills stall a share of the requests at any load) is never shown to miss there
+        with the requests a run can afford, but it serves less than the candidate where the candidate is shown to
+        serve."""
+        d = self.default
+        if d.pools.get(round(rate, 9)) is None or d.pools[round(rate, 9)].verdict() == "met" or d.shown_served():
+            return False
+        diff = self.paired_difference(c, rate)
+        return diff is not None and diff.low > 0
 
     def ratio(self, c: Contender) -> Interval:
         """The capacities' ratio: value candidate's / default's capacity, interval the brackets' ends (low: the
