@@ -78,6 +78,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, out: Path, slo: SLO) -> dict[str
     try:
         if arm.controlled:
             (out / "policy.yaml").write_text(yaml.safe_dump(POLICY))
+            (out / "controller.jsonl").unlink(missing_ok=True)  # a fresh controller, not one resumed from a rerun's log
             with open(out / "controller.err", "w") as err:
                 controller = subprocess.Popen(
                     [sys.executable, "-m", "slotune.cli", "control", "--engine-url", handle.url, "--admin-token",

@@ -1,12 +1,12 @@
 """Does `tune` answer with evidence? Three benchmarks, each one command writing JSON and printing a summary.
 
-    python benchmarks/tune_evidence.py reproducibility --out docs/bench/tune-repro.json
+    python benchmarks/tune_evidence.py reproducibility --out docs/benchmarks/tune-repro.json
         The README's main command three times from scratch (fresh output folder and study each time): the three
         tuned capacities' intervals and verdicts; then an independent `slotune loadtest` (60 s, arrival seed 987654,
         which no study uses) of the tuned config at its claimed capacity, and of the default config at that rate.
-    python benchmarks/tune_evidence.py versus --workload mixed --out docs/bench/tune-vs-default-mixed.json
+    python benchmarks/tune_evidence.py versus --workload mixed --out docs/benchmarks/tune-vs-default-mixed.json
     python benchmarks/tune_evidence.py versus --workload azure --trace TRACES/azure2023/AzureLLMInferenceTrace_conv.csv \
-        --out docs/bench/tune-vs-default-azure.json
+        --out docs/benchmarks/tune-vs-default-azure.json
         One `tune` run: the tuned config's capacity against the default config's (the engine's defaults, vLLM's for
         these knobs), with intervals; Azure: the conversation trace, lengths x1/8, clipped to 2,048 tokens, its
         timeline rescaled by the rate search.

@@ -438,6 +438,20 @@ def test_a_canary_that_drains_the_queue_a_config_that_fell_behind_left_is_kept()
     assert judge(kept_up, drain, 40, spec, fresh=None).action == "continue"
 
 
+
+def test_the_inherited_queue_s_waits_do_not_roll_a_canary_back() -> None:
+    spec = Canary(min_requests=20, min_window=10, max_window=60, rollback_drop=0.15)
+    behind = stats(15, 16, arrived=22, seconds=30.0)  # attaining, but its queue grew by 6
+    first = stats(0, 5, arrived=6, seconds=4.0)  # the inherited requests finish first, past their TTFT
+    assert judge(behind, first, 4, spec, fresh=None).action == "continue"
+    # once its own arrivals finish, they are judged: broken there is rolled back at once
+    broken = judge(behind, stats(0, 30, arrived=30, seconds=30.0), 35, spec, fresh=stats(0, 12, seconds=10.0))
+    assert broken.action == "rollback" and "its own arrivals" in broken.reason
+    # a config before that kept up: everything that finished is judged, as before
+    kept_up = stats(15, 16, arrived=17, seconds=30.0)
+    assert judge(kept_up, first, 4, spec, fresh=None).action == "rollback"
+
+
 def test_a_rate_shift_long_after_the_start_is_drift_even_at_a_rate_too_low_for_one_window(tmp_path: Path) -> None:
     """At 0.4 req/s one 30 s drift window holds 12 requests, fewer than the 20 the trigger needs: the reference
     grows until it holds them and is kept after its scrapes leave the controller's history; the rate quadrupling

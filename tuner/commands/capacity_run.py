@@ -21,7 +21,7 @@ from slotune.units import format_duration
 from loadtest.summary import SLO
 from tuner.measure.capacity import CapacitySearcher, capacity_searcher
 from tuner.measure.floor import measure_floor
-from tuner.measure.measurement import Measurement, measure
+from tuner.measure.measurement import Measurement, MeasurementSpec, measure
 from tuner.output import short_knobs, write_report, write_tuned_yaml, write_vllm
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.search.study import ROLE_DEFAULT, TrialReport, longest_trial_s, measured, run_trials
@@ -169,13 +169,17 @@ class CapacityRun:
         return d, [Contender(f"candidate {i + 1} (trial #{t.number})", dict(t.user_attrs["knobs"]), t.values[0],
                              search_high=high(t), next_rate=t.values[0] / step) for i, t in enumerate(others)]
 
+    def verdict_spec(self) -> MeasurementSpec:
+        """The measurement's sizing at the verdict's per-look level."""
+        return replace(self.searcher.spec, level=look_level(self.p.measurement.level, self.p.verdict.max_rounds))
+
     def measure_at(self, c: Contender, rate: float, draw: int) -> Sample:
         """One measurement of the contender at ``rate`` on arrival draw ``draw``, sized at the verdict's per-look
         level (so that one round can decide)."""
         folder = (self.s.trials_dir / "verdict" / f"draw-{draw}" / c.name.split(" (")[0].replace(" ", "-")
                   / f"rate-{rate:.4g}")
-        spec = replace(self.searcher.spec, level=look_level(self.p.measurement.level, self.p.verdict.max_rounds))
-        m = measure(self.runner, c.knobs, rate, folder, draw, spec, aim="missed" if c.is_default else "met")
+        m = measure(self.runner, c.knobs, rate, folder, draw, self.verdict_spec(),
+                    aim="missed" if c.is_default else "met")
         say(f"  {c.name}, draw {draw}, {rate:.3g} req/s: {m.describe()}")
         f = m.figures
         return Sample(rate, draw, f.attaining if f else 0, f.requests if f else 0, m.reason, m.output_tokens_per_s,
@@ -186,16 +190,15 @@ class CapacityRun:
         default, candidates = self.contenders()
         if not candidates and not any(t.values[0] > 0 for t in measured(self.study) if "capacity" in t.user_attrs):
             return self.none_shown()
-        say(f"{PROG}: verdict: the default and {len(candidates)} candidate(s) at fixed rates (a candidate at its "
-            f"claimed capacity, the default beside it), requests pooled per rate over fresh arrival draws, the same "
-            f"draw for every config in a round, up to {p.verdict.max_rounds} rounds or "
+        say(f"{PROG}: verdict: the default and {len(candidates)} candidate(s) at fixed rates (a candidate one step "
+            f"below its searched capacity, the default beside it), requests pooled per rate over fresh arrival draws, "
+            f"the same draw for every config in a round, up to {p.verdict.max_rounds} rounds or "
             f"{format_duration(p.verdict.budget)} ...")
         # the verdict gets its budget, or what is left of the run's when the searches ran late (two rounds at least)
         budget = max(0.0, min(p.verdict.budget, self.s.started + p.time_budget - time.monotonic()))
         # a candidate steps down no lower than the default's capacity (below it, shown served cannot be better) nor
-        # than the lowest rate a measurement can show served at
-        floor = max(default.shown_served(),
-                    self.searcher.spec.lowest_rate_to_show())
+        # than the lowest rate a measurement can show served at, at the verdict's per-look level
+        floor = max(default.shown_served(), self.verdict_spec().lowest_rate_to_show())
         result = paired_verdict(default, candidates, self.measure_at, p.verdict.max_rounds, budget,
                                 p.measurement.level, step=1 + 2 * p.capacity.resolution, floor=floor,
                                 on_round=self.round_line)

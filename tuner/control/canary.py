@@ -6,7 +6,8 @@ A canary that inherits a queue the config before could not keep up with (that qu
 cannot show better attainment in its window: its own arrivals wait behind the inherited requests, first come first
 served. It is judged by what it does to that queue instead: kept when it finishes requests faster than the config
 before did (both backlogged, so a finishing rate is the config's service rate; a Poisson rate-ratio interval
-above 1) while the queue shrinks."""
+above 1) while the queue shrinks; and the rollback rule waits for its own arrivals (the inherited requests' waits
+are the config before's doing)."""
 
 from __future__ import annotations
 
@@ -51,10 +52,17 @@ def judge(before: WindowStats, canary: WindowStats, elapsed: float, spec: Canary
     keep is judged on; True: the same as ``canary``; None/False: that queue has not drained yet (no keep)."""
     diff = proportion_difference_interval(canary.attaining, canary.finished, before.attaining, before.finished)
     shown = diff.format(scale=100, unit=" pp")
-    if canary.finished >= MIN_FOR_ROLLBACK and diff.high < -spec.rollback_drop:
-        return CanaryVerdict("rollback", f"the SLO broke: attainment fell by {shown}, more than canary.rollback_drop "
-                                         f"({spec.rollback_drop:.0%}) beyond the noise", diff)
     own = canary if fresh is True else fresh if isinstance(fresh, WindowStats) else None
+    # the rollback rule judges the canary's own arrivals once the inherited queue has drained; before that, all
+    # that finished, unless the config before fell behind: then the inherited requests' waits are its doing, and
+    # they would roll back any canary at once
+    judged = own if own is not None else None if fell_behind(before) else canary
+    if judged is not None and judged.finished >= MIN_FOR_ROLLBACK:
+        drop = proportion_difference_interval(judged.attaining, judged.finished, before.attaining, before.finished)
+        if drop.high < -spec.rollback_drop:
+            return CanaryVerdict("rollback", f"the SLO broke: attainment fell by {drop.format(scale=100, unit=' pp')}"
+                                             f", more than canary.rollback_drop ({spec.rollback_drop:.0%}) beyond the "
+                                             f"noise" + ("" if judged is canary else " (its own arrivals)"), drop)
     if own is not None and elapsed >= spec.min_window and own.finished >= spec.min_requests:
         own_diff = proportion_difference_interval(own.attaining, own.finished, before.attaining, before.finished)
         if own_diff.low > 0:

@@ -358,5 +358,10 @@ def verdict_line(result: VerdictResult, slo_text: str) -> str:
     if best is not None:
         tail = (f"; best candidate {best.capacity().format(' req/s', 1, 3)} ({result.outcome(best)}), ratio "
                 f"{result.ratio(best).format('x', 1, 3)}")
+        served = best.shown_served()
+        diff = result.paired_difference(best, served) if served > 0 else None
+        if diff is not None:
+            tail += (f"; at {served:.3g} req/s it attains {diff.format(' points', 100, 3)} more of the same arrivals "
+                     f"than the default")
     return (f"no config beats the default beyond the noise within {slo_text}: default {d_text}{tail}; safest: "
             f"{result.safest.name} ({result.stopped}; {note})")
