@@ -125,3 +125,17 @@ def test_an_empty_or_missing_storage_gives_no_warm_start_and_says_why(tmp_path: 
                             storage=str(tmp_path / "nowhere.db"), say=said.append)
     assert controller.study_knobs() == [] and "does not exist" in said[0]
     assert Controller(parse_policy(DEFAULT), None, None, DecisionLog(tmp_path / "d.jsonl")).study_knobs() == []
+
+
+def test_behind_a_deep_queue_the_retune_moves_to_the_config_that_drains_it() -> None:
+    # the phase-one config (two sequences) behind 48 long requests: no config attains within a short simulated
+    # window, so attainment and goodput cannot tell configs apart; the one that finishes more requests drains the
+    # queue sooner, and the retune moves there
+    policy = parse_policy({**DEFAULT, "guardrails": {"default_max_change": 4},
+                           "retune": {"candidates": 8, "sim_duration": "20s", "headroom": 1.25}})
+    current = {"max_num_seqs": 2, "max_num_batched_tokens": 64, "chunk_size": 32, "block_size": 16}
+    shape = Shape(60.0, 54, tuple([16.0] * 30), tuple([160.0] * 30), math.nan)
+    found = search(policy, dict(current), dict(current), shape, [], [], target=0.9, seed=1, backlog=48)
+    assert found.candidate is not None, found.reason
+    assert found.candidate.throughput > found.current.throughput
+    assert found.candidate.knobs["max_num_seqs"] > 2 and "behind a queue of 48" in found.reason

@@ -39,6 +39,13 @@ class Prediction:
         v = self.summary.get("goodput_rps")
         return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else 0.0
 
+    @property
+    def throughput(self) -> float:
+        """Requests of the window finished per second, attaining or not: behind a deep queue no config attains in
+        a short simulated window, and the one that finishes more drains the queue sooner."""
+        v = self.summary.get("throughput_rps")
+        return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else 0.0
+
     def as_dict(self) -> dict[str, Any]:
         return {"knobs": self.knobs, **{k: self.summary.get(k) for k in COMPARED}}
 
@@ -107,8 +114,8 @@ def refitted_model(steps: list[dict[str, Any]], block_size: int, profile: str | 
     return model.rescaled(tagged, block_size) or model
 
 
-def _ranked(p: Prediction, target: float) -> tuple[bool, float, float]:
-    return (p.attainment >= target, p.goodput, p.attainment)
+def _ranked(p: Prediction, target: float) -> tuple[bool, float, float, float]:
+    return (p.attainment >= target, p.goodput, p.throughput, p.attainment)
 
 
 def search(policy: Policy, current: dict[str, Any], resolved: dict[str, Any], shape: Shape,
@@ -155,10 +162,15 @@ def search(policy: Policy, current: dict[str, Any], resolved: dict[str, Any], sh
         return Search(None, now, "no candidate within the guardrails differs from the applied config", 0, **info)
     best = max(preds, key=lambda p: _ranked(p, target))
     better = (best.attainment >= target > now.attainment) or (
-        best.attainment >= min(target, now.attainment) and best.goodput > now.goodput * (1 + MIN_GAIN))
+        best.attainment >= min(target, now.attainment) and best.goodput > now.goodput * (1 + MIN_GAIN)) or (
+        # behind a queue no config attains within the simulated window: the one that finishes more drains it
+        best.goodput <= now.goodput * (1 + MIN_GAIN) and now.attainment < target
+        and best.throughput > now.throughput * (1 + MIN_GAIN) and best.goodput >= now.goodput)
     if not better:
         return Search(None, now, f"no candidate is predicted to beat the applied config (best: attainment "
                                  f"{best.attainment:.0%}, goodput {best.goodput:.2f} rps; applied: "
                                  f"{now.attainment:.0%}, {now.goodput:.2f} rps)", len(preds), **info)
     return Search(best, now, f"predicted attainment {now.attainment:.0%} -> {best.attainment:.0%}, goodput "
-                             f"{now.goodput:.2f} -> {best.goodput:.2f} rps at {rate:.2f} req/s", len(preds), **info)
+                             f"{now.goodput:.2f} -> {best.goodput:.2f} rps, finishing {now.throughput:.2f} -> "
+                             f"{best.throughput:.2f} req/s at {rate:.2f} req/s"
+                             + (f" behind a queue of {backlog}" if backlog else ""), len(preds), **info)
