@@ -22,11 +22,11 @@ when, at a rate it is shown to serve, the default (shown to serve no rate up to 
 arrivals beyond the noise (a paired difference of the two attainments: a default at the edge of 90 % over a range
 of rates is never shown to miss with the requests a run can afford);
 **not better** when the default is shown to serve a rate at or above one where the candidate is shown to miss, or
-the rate the candidate showed as its capacity. Each
-pooled verdict is looked at after every round, so each look gets a Bonferroni share of the error rate
-(:func:`look_level`). A config's capacity is its bracket (the highest rate shown served; the lowest not shown served),
-the ratio's interval the brackets' ratios (low: candidate's low / default's high). A pool is judged at the strictest
-level of its looks: a search probe never re-measured keeps its search's level.
+the rate the candidate showed as its capacity. Each pooled verdict is looked at after every round, so each look
+gets a Bonferroni share of the error rate (:func:`look_level`). A config's capacity is its bracket (the highest rate
+shown served; the lowest not shown served), the ratio's interval the brackets' ratios (low: candidate's low /
+default's high). A pool is judged at the strictest level of its looks: a search probe never re-measured keeps its
+search's level.
 """
 
 from __future__ import annotations

@@ -250,11 +250,8 @@ def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
 
 def closest_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
     """The infeasible trial nearest to the SLO (smallest total violation), for the 'no config meets it' report."""
-    trials = measured(study)
-    if not trials:
-        return None
-    return min(trials, key=lambda t: (sum(max(0.0, c) for c in t.user_attrs.get(CONSTRAINTS_ATTR, [1.0])),
-                                      -t.values[0]))
+    return min(measured(study), key=lambda t: (sum(max(0.0, c) for c in t.user_attrs.get(CONSTRAINTS_ATTR, [1.0])),
+                                               -t.values[0]), default=None)
 
 
 def default_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
@@ -277,11 +274,9 @@ class TrialReport:
 
 
 def longest_trial_s(study: optuna.Study) -> float:
-    """The longest complete trial of the study so far (0 with none): a trial that starts later than this before a
-    deadline is likely to end past it, so it is not started (a capacity search takes 1-5 minutes)."""
-    lengths = [(t.datetime_complete - t.datetime_start).total_seconds() for t in study.trials
-               if t.state == TrialState.COMPLETE and t.datetime_start and t.datetime_complete]
-    return max(lengths, default=0.0)
+    """The longest complete trial so far (0 with none): one started later than this before a deadline ends past it."""
+    return max(((t.datetime_complete - t.datetime_start).total_seconds() for t in study.trials
+                if t.state == TrialState.COMPLETE and t.datetime_start and t.datetime_complete), default=0.0)
 
 
 def run_trials(study: optuna.Study, runner: TrialRunner | TrialBackend, policy: Policy, n_trials: int, out_dir: Path,
