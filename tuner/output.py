@@ -67,7 +67,8 @@ def write_tuned_yaml(path: Path, *, knobs: dict[str, Any], slo: dict[str, Any], 
                      remeasured: dict[str, Any] | None, vllm: str, report: Path, trials: int,
                      capacity: dict[str, Any] | None = None, evidence: dict[str, Any] | None = None) -> None:
     """``capacity`` (the capacity objective): ``tuned`` and ``default`` with each config's capacity and its
-    interval, and the ratio; ``evidence``: the verdict's rounds, the floor. Else the goodput trials' figures."""
+    interval, and the ratio; ``evidence``: the verdict's pooled measurements, the floor. Else the goodput trials'
+    figures."""
     if capacity is not None:
         doc: dict[str, Any] = {
             "knobs": knobs, "slo": {k: v for k, v in slo.items() if v is not None},

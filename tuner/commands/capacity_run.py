@@ -194,7 +194,7 @@ class CapacityRun:
             f"below its searched capacity, the default beside it), requests pooled per rate over fresh arrival draws, "
             f"the same draw for every config in a round, up to {p.verdict.max_rounds} rounds or "
             f"{format_duration(p.verdict.budget)} ...")
-        # the verdict gets its budget, or what is left of the run's when the searches ran late (two rounds at least)
+        # the verdict gets its budget, or what is left of the run's when the searches ran late (one round at least)
         budget = max(0.0, min(p.verdict.budget, self.s.started + p.time_budget - time.monotonic()))
         # a candidate steps down no lower than the default's capacity (below it, shown served cannot be better) nor
         # than the lowest rate a measurement can show served at, at the verdict's per-look level
