@@ -105,8 +105,8 @@ class CapacityRun:
         best becomes the next trial, its search starting at its predicted capacity. After each trial the speed is
         refitted to all the real trials so far and, when it moved, the configs are screened again, so that each next
         screened trial is the best at the engine's present speed."""
-        from tuner.measure.capacity import capacity_searcher as searcher_on
-        from tuner.search.screening import Rescreen, _sample, load_profile, rescale_text, sim_runner_like, speed_scale
+        from tuner.search.screening import (SCREEN_DRAWS, SCREEN_REDRAWN, Rescreen, load_profile, rescale_text,
+                                            screen_capacity, sim_runner_like, speed_scale)
         from tuner.simulation.step_time_model import StepTimeModel
 
         n = getattr(self.s.args, "screen", None) or SCREENED
@@ -118,20 +118,20 @@ class CapacityRun:
             scaled = rescale_text(model)
             if not rescreen.rankings:
                 say(f"{PROG}: screening {n} configs for capacity in the simulator"
-                    + (f" ({scaled})" if scaled else "") + " ...")
+                    + (f" ({scaled})" if scaled else "") + f", the best {SCREEN_REDRAWN} on {SCREEN_DRAWS} arrival "
+                    "draws ...")
             else:
                 say(f"{PROG}: the engine's speed moved from x{rescreen.scale:.2f} to x{speed_scale(model):.2f} "
                     f"({scaled}): screening the {n} configs again ...")
             t0 = time.monotonic()
-            sim_search = searcher_on(sim, self.p)
-            ranked: list[tuple[float, dict[str, Any]]] = []
-            for knobs, params in _sample(self.p, n, self.p.seed):
-                cap = sim_search.search(knobs, self.s.trials_dir / "screen" / f"config-{len(ranked)}")
-                ranked.append((cap.value, params))
-            ranked.sort(key=lambda t: -t[0])
-            say(f"{PROG}: screened {len(ranked)} configs in {format_duration(time.monotonic() - t0)}; predicted "
-                f"capacities of the best {top}: " + ", ".join(f"{v:.3g}" for v, _ in ranked[:top]) + " req/s")
-            return [(params, {"screen_predicted_capacity": value}) for value, params in ranked]
+            ranked = screen_capacity(self.p, sim, n, self.s.trials_dir / "screen" / f"ranking-{rescreen.rankings}")
+            say(f"{PROG}: screened {len(ranked)} configs in {format_duration(time.monotonic() - t0)}; the best "
+                f"{top} by their worst draw: " + ", ".join(
+                    f"{short_knobs(c.knobs, [k.name for k in self.p.search_space])} "
+                    + "/".join(f"{v:.3g}" for v in c.capacities) for c in ranked[:top]) + " req/s")
+            # the search starts at the typical draw's capacity, as one engine search sees one draw
+            return [(c.params, {"screen_predicted_capacity": c.typical, "screen_capacities": c.capacities})
+                    for c in ranked]
 
         rescreen = Rescreen(None if isinstance(self.runner, SimTrialRunner) else load_profile(), rank, top=top)
         self.rescreen = rescreen

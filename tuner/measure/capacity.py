@@ -6,7 +6,8 @@ it did not (missed, or undecided: not shown to serve; an undecided rate is where
 search starts where what is known puts it (a neighbouring config's capacity, a simulator's prediction, the same
 config's earlier bracket), grows or shrinks by ``step`` until both sides are found, going down as well as up, then
 bisects geometrically until ``high / low <= 1 + resolution`` or the probes run out. The capacity is ``low``, with
-the bracket as its interval: the figure a loadtest at that rate can check.
+the bracket as its interval: the figure a loadtest at that rate can check. Probe i of a search is on arrival draw
+base + i, so that the bracket is not one draw's luck.
 """
 
 from __future__ import annotations
@@ -196,8 +197,11 @@ class CapacitySearcher:
         probes: list[int] = []
 
         def probe(rate: float) -> Measurement:
+            # each probe on a draw of its own (draw, draw + 1, ...): a bracket that ends between two draws' verdicts
+            # is less one draw's luck than one whose every probe shares the same arrivals
             probes.append(1)
-            return measure(self.backend, knobs, rate, Path(out_dir) / f"probe-{len(probes) - 1}", draw, self.spec)
+            i = len(probes) - 1
+            return measure(self.backend, knobs, rate, Path(out_dir) / f"probe-{i}", draw + i, self.spec)
 
         # never start where a measurement could not show the share met (a start from a neighbour that served nothing)
         first = max(start if start is not None else first, self.spec.lowest_rate_to_show())
