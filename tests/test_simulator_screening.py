@@ -10,8 +10,7 @@ import pytest
 from loadtest.summary import SLO
 from policies import parse_policy
 from tests.test_measurement import ScriptedBackend
-from tuner.search.screening import (SCREEN_DRAW_STRIDE, measured_steps, sample_configs, screen, screen_capacity,
-                                    sim_runner_like)
+from tuner.search.screening import measured_steps, sample_configs, screen, screen_capacity, sim_runner_like
 from tuner.search.comparison import compare, grid_configs, space_configs
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.simulation.step_time_model import StepTimeModel
@@ -321,7 +320,8 @@ class DrawDependentBackend(ScriptedBackend):
     trial's requests stutter."""
 
     def capacity(self, knobs: dict, seed: int) -> float:
-        screen_draw = (seed // 1000) // SCREEN_DRAW_STRIDE  # measurement seeds are draw * 1000 + segment
+        # measurement seeds are draw * 1000 + segment; the screen's draws start max_probes apart
+        screen_draw = (seed // 1000) // POLICY.capacity.max_probes
         if knobs["max_num_seqs"] % 2:
             return 2.0 if screen_draw == 0 else 0.5
         return 1.2

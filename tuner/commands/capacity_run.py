@@ -125,10 +125,11 @@ class CapacityRun:
                     f"({scaled}): screening the {n} configs again ...")
             t0 = time.monotonic()
             ranked = screen_capacity(self.p, sim, n, self.s.trials_dir / "screen" / f"ranking-{rescreen.rankings}")
+            names = [k.name for k in self.p.search_space]
             say(f"{PROG}: screened {len(ranked)} configs in {format_duration(time.monotonic() - t0)}; the best "
                 f"{top} by their worst draw: " + ", ".join(
-                    f"{short_knobs(c.knobs, [k.name for k in self.p.search_space])} "
-                    + "/".join(f"{v:.3g}" for v in c.capacities) for c in ranked[:top]) + " req/s")
+                    f"{short_knobs(c.knobs, names)} " + "/".join(f"{v:.3g}" for v in c.capacities)
+                    for c in ranked[:top]) + " req/s")
             # the search starts at the typical draw's capacity, as one engine search sees one draw
             return [(c.params, {"screen_predicted_capacity": c.typical, "screen_capacities": c.capacities})
                     for c in ranked]

@@ -39,7 +39,6 @@ RESCREEN_TOLERANCE = 0.02
 SCREEN_CAP_S = 300.0
 SCREEN_DRAWS = 3
 SCREEN_REDRAWN = 8
-SCREEN_DRAW_STRIDE = 10  # a search's probe i is on draw base + i (tuner.measure.capacity): bases this far apart
 COMPARED = ("goodput_rps", "throughput_rps", "tbt_p99", "ttft_p99", "attainment")
 
 
@@ -108,16 +107,15 @@ def screen_capacity(policy: Policy, sim: TrialBackend, n: int, out_dir: Path, dr
     searches learn their starts from each other (tuner.measure.capacity.CapacitySearcher), as the engine's do."""
     from tuner.measure.capacity import capacity_searcher
 
-    spec = replace(capacity_searcher(sim, policy).spec,
-                   max_segments=max(1, math.ceil(cap_s / policy.trial_duration - 1e-9)))
+    sized = policy.replace(measurement=replace(policy.measurement, cap=cap_s))
     configs = [ScreenedCapacity(knobs, params) for knobs, params in _sample(policy, n, policy.seed)]
 
     def search(chosen: list[ScreenedCapacity], draw: int) -> None:
-        searcher = capacity_searcher(sim, policy)
-        searcher.spec = spec
+        searcher = capacity_searcher(sim, sized)
         for i, c in enumerate(chosen):
+            # probe j of a search is on draw base + j: bases max_probes apart keep the draws' arrivals apart
             cap = searcher.search(c.knobs, Path(out_dir) / f"draw-{draw}" / f"config-{i}",
-                                  draw=draw * SCREEN_DRAW_STRIDE)
+                                  draw=draw * policy.capacity.max_probes)
             c.capacities.append(cap.value)
 
     with warnings.catch_warnings():
