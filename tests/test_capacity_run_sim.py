@@ -23,7 +23,7 @@ from tuner.search.study import enqueue_default, open_storage, open_study
 def run_on_the_simulator(tmp_path: Path, tbt: float, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     policy = load_policy().replace(trials=3)
     policy = policy.replace(slo=policy.slo.__class__(tbt_p99=tbt, ttft_p99=2.0))
-    args = build_parser().parse_args(["--out", str(tmp_path / "out" / "tuned.yaml"), "--screen", "12"])
+    args = build_parser().parse_args(["--out", str(tmp_path / "out" / "tuned.yaml"), "--screen", "6"])
     storage = open_storage(f"sqlite:///{tmp_path}/study.db")
     session = TuneSession(args, policy, storage, None)
     model = StepTimeModel.load(profile_path(None))

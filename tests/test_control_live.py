@@ -89,6 +89,7 @@ def test_a_move_that_breaks_the_slo_is_rolled_back_at_once(engine: SubprocessSer
         stop(traffic)
 
 
+@pytest.mark.slow  # about a minute; the engine's own lease revert is in the default suite (test_server_admin_lease)
 def test_kill_9_mid_canary_the_lease_reverts_and_the_restart_closes_it_once(engine: SubprocessServer,
                                                                            tmp_path: Path) -> None:
     policy = write_policy(tmp_path / "policy.yaml", canary={"min_requests": 1000, "min_window": "5s",
@@ -126,6 +127,7 @@ def test_kill_9_mid_canary_the_lease_reverts_and_the_restart_closes_it_once(engi
         stop(traffic)
 
 
+@pytest.mark.slow  # about 40 s of live traffic: the default suite stays under 15 minutes
 def test_advisory_mode_logs_decisions_and_leaves_the_config_alone(engine: SubprocessServer, tmp_path: Path) -> None:
     policy = write_policy(tmp_path / "policy.yaml", triggers={"window": "8s", "min_requests": 4,
                                                               "drift_window": "8s", "schedule": "6s"})

@@ -29,7 +29,7 @@ from tests.server_helpers import TUNE
 from tuner.search.study import ROLE_DEFAULT, open_storage
 
 SLO_TBT = "0.05"  # the shipped rules' target
-LOAD = {"workload": "mixed", "length-scale": "0.125", "rate": "1.5", "duration": "40s", "slo-p99-tbt": "50ms"}
+LOAD = {"workload": "mixed", "length-scale": "0.125", "rate": "1.5", "duration": "30s", "slo-p99-tbt": "50ms"}
 
 
 @pytest.fixture(scope="module")

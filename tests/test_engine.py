@@ -172,6 +172,7 @@ def test_bfloat16_option_generates(model_dir: Path) -> None:
     assert "Paris" in out.text
 
 
+@pytest.mark.slow  # ~40 s: a GGUF conversion of its own (the default model's first load converts the same file)
 def test_local_folder_and_gguf_file_as_model(tmp_path: Path, model_dir: Path, capfd) -> None:
     # A copy of a Hugging Face folder loads as model=PATH.
     folder = tmp_path / "hf-model"

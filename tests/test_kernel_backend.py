@@ -72,6 +72,8 @@ def step_shape(llm: LLM) -> list[tuple[int, ...]]:
              r.prefix_cache_hit_tokens) for r in llm.step_records()]
 
 
+@pytest.mark.slow  # ~45 s under the interpreter; the kernels themselves are checked in the default suite
+# (tests/test_triton_kernels.py)
 def test_triton_backend_matches_transformers_with_the_same_steps(
         mixed_prompts: list[list[int]], reference_outputs: list[list[int]],
         caplog: pytest.LogCaptureFixture) -> None:

@@ -40,6 +40,7 @@ def test_bad_flags_exit_2_naming_the_flag(args: list[str], message: str, tmp_pat
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
 
 
+@pytest.mark.slow  # about 30 s on a real engine; the simulated sweep below runs the same command in the default suite
 def test_a_two_point_sweep_on_a_real_engine(tmp_path: Path) -> None:
     server = SubprocessServer(args=["--admin-token", TOKEN, "--max-num-seqs", "6"])
     headers = {"authorization": f"Bearer {TOKEN}"}

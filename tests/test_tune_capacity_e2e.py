@@ -36,6 +36,7 @@ def tune(args: list[str], cwd: Path, timeout: float = 900) -> subprocess.Complet
     return run_tune(args, cwd, timeout)
 
 
+@pytest.mark.slow  # about 50 s; the same stop on the simulator is in the default suite (test_capacity_run_sim)
 def test_an_slo_below_the_floor_stops_before_searching_with_the_measured_floor(tmp_path: Path) -> None:
     (tmp_path / "policy.yaml").write_text(POLICY)
     proc = tune(["--policy", "policy.yaml", "--slo-p99-tbt", "1ms", "--out", "out/tuned.yaml"], tmp_path)
