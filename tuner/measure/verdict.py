@@ -103,6 +103,11 @@ class Pool:
                 "samples": [s.as_dict() for s in self.samples]}
 
 
+def rate_key(rate: float) -> float:
+    """Pools are keyed by rate; rates computed by different paths (a bracket's end, a step down) agree to 1e-9."""
+    return round(rate, 9)
+
+
 @dataclass
 class Contender:
     """A config in the verdict: its pools by rate, and the rate it is measured at next (None: nothing to show)."""
@@ -123,9 +128,13 @@ class Contender:
     def is_default(self) -> bool:
         return self.name == DEFAULT
 
+    def pool(self, rate: float) -> Pool | None:
+        """The pool of the samples at ``rate`` (None: nothing measured there)."""
+        return self.pools.get(rate_key(rate))
+
     def add(self, sample: Sample, level: float) -> Pool:
         """Pool ``sample`` with the others at its rate, judged from now on at ``level`` at least."""
-        pool = self.pools.setdefault(round(sample.rate, 9), Pool(sample.rate, level))
+        pool = self.pools.setdefault(rate_key(sample.rate), Pool(sample.rate, level))
         pool.samples.append(sample)
         pool.level = max(pool.level, level)
         return pool
@@ -154,7 +163,7 @@ class Contender:
 
     def tokens_at(self, rate: float) -> float | None:
         """The mean output tokens/s of the samples at ``rate`` (None: none measured there)."""
-        pool = self.pools.get(round(rate, 9))
+        pool = self.pool(rate)
         values = [s.output_tokens_per_s for s in pool.samples if s.output_tokens_per_s] if pool else []
         return sum(values) / len(values) if values else None
 
@@ -197,7 +206,7 @@ class VerdictResult:
     def paired_difference(self, c: Contender, rate: float) -> Interval | None:
         """The candidate's attainment at ``rate`` minus the default's there (Newcombe, at the per-look level), when
         both were measured at that rate (the verdict measures them there on the same draws)."""
-        mine, theirs = c.pools.get(round(rate, 9)), self.default.pools.get(round(rate, 9))
+        mine, theirs = c.pool(rate), self.default.pool(rate)
         if mine is None or theirs is None or not mine.requests or not theirs.requests:
             return None
         return proportion_difference_interval(mine.attaining, mine.requests, theirs.attaining, theirs.requests,
@@ -210,7 +219,8 @@ class VerdictResult:
         with the requests a run can afford, but it serves less than the candidate where the candidate is shown to
         serve."""
         d = self.default
-        if d.pools.get(round(rate, 9)) is None or d.pools[round(rate, 9)].verdict() == "met" or d.shown_served():
+        theirs = d.pool(rate)
+        if theirs is None or theirs.verdict() == "met" or d.shown_served():
             return False
         diff = self.paired_difference(c, rate)
         return diff is not None and diff.low > 0
@@ -268,7 +278,8 @@ def plan_next(c: Contender, step: float, floor: float, more: int) -> None:
     rate = c.next_rate
     if rate is None:
         return
-    pool = c.pools[round(rate, 9)]
+    pool = c.pool(rate)
+    assert pool is not None, f"{c.name} was not measured at {rate} req/s"
     v = pool.verdict()
     if v == "met":
         c.next_rate = None  # its capacity is shown
