@@ -21,7 +21,7 @@ from loadtest.summary import percentile
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="auto: the engine's default choice")
     p.add_argument("--requests", type=int, default=8, help="requests run one after another (batch 1)")
     p.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")

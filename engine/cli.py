@@ -65,9 +65,9 @@ def format_timing_table(outputs: list[RequestOutput]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="slotune generate", description=__doc__)
     parser.add_argument("--model", default=None, help="Hugging Face folder or .gguf file (default: SmolLM2-135M)")
-    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
-                        help="float32 (default); auto: bfloat16 where the CPU has bf16 instructions and the kernels "
-                             "are faster")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="auto (default): bfloat16 where the CPU has bf16 instructions and the kernels "
+                             "are faster, float32 otherwise")
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for several); default: six questions")
     parser.add_argument("--raw", action="store_true", help="send prompts as plain text, not through the chat template")
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -60,7 +60,7 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, model: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu",
+    def __init__(self, model: str | Path | None = None, *, dtype: str = "auto", device: str = "cpu",
                  cache_dir: str | Path | None = None, seed: int = 0, step_log: str | Path | None = None,
                  step_record_capacity: int = 10_000, cuda_graphs: bool = True, **knobs: Any) -> None:
         """cuda_graphs: replay decode steps from CUDA graphs on a GPU with the Triton backend

@@ -62,9 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--step-buffer", type=int, default=10_000, metavar="N",
                         help="step records kept for GET /debug/steps (default 10000; older ones are dropped, and "
                              "/debug/steps says how many a reader missed)")
-    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="float32 (default); auto: bfloat16 where the CPU has bf16 instructions and the kernels "
-                             "are faster")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="auto (default): bfloat16 where the CPU has bf16 instructions and the kernels "
+                             "are faster, float32 otherwise")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0, help="seed of requests that do not give one")
     parser.add_argument("--max-waiting-requests", type=int, default=1024,

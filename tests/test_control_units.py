@@ -521,6 +521,9 @@ def test_a_retune_that_fails_is_a_logged_no_move_and_the_controller_goes_on(
         def steps(self, since: int) -> tuple[list[dict[str, Any]], int]:
             return [], 0
 
+        def health(self) -> dict[str, Any]:
+            return {"status": "ok", "dtype": "float32"}
+
         def apply(self, knobs: dict[str, Any], lease_s: float | None = None) -> dict[str, Any]:
             self.applied.append(knobs)
             return {"generation": 2}

@@ -60,8 +60,10 @@ def test_the_backend_is_a_load_time_choice() -> None:
 
 
 def run(prompts: list[list[int]], **knobs: Any) -> tuple[LLM, list[list[int]]]:
-    llm = LLM(device=str(DEVICE), **{"max_num_seqs": 4, "max_num_batched_tokens": 24, "chunk_size": 16,
-                                     "num_kv_blocks": 64, "max_model_len": 1024, **knobs})
+    # float32: token-exact against transformers, and the interpreter's bf16 `tl.dot` is wrong
+    llm = LLM(device=str(DEVICE), dtype="float32", **{"max_num_seqs": 4, "max_num_batched_tokens": 24,
+                                                      "chunk_size": 16, "num_kv_blocks": 64, "max_model_len": 1024,
+                                                      **knobs})
     outputs = llm.generate(prompts, SamplingParams(max_tokens=TOKENS, temperature=0.0))
     assert llm.engine.scheduler.kv.num_used_blocks == 0, "KV blocks leaked"
     return llm, [o.token_ids for o in outputs]
@@ -111,7 +113,7 @@ def test_triton_backend_matches_transformers_across_layouts(mixed_prompts: list[
 @pytest.mark.slow
 def test_triton_backend_relayouts_on_a_live_block_size_change(mixed_prompts: list[list[int]],
                                                               reference_outputs: list[list[int]]) -> None:
-    llm = LLM(device=str(DEVICE), kernel_backend="triton", max_num_seqs=4, max_num_batched_tokens=24,
+    llm = LLM(device=str(DEVICE), dtype="float32", kernel_backend="triton", max_num_seqs=4, max_num_batched_tokens=24,
               chunk_size=16, num_kv_blocks=64, max_model_len=1024)
     engine = llm.engine
     ids = [engine.add_request(mixed_prompts[i], SamplingParams(max_tokens=TOKENS, temperature=0.0))

@@ -27,8 +27,10 @@ def server() -> SubprocessServer:
     step_log = folder / "steps.jsonl"
     tuned = folder / "tuned.yaml"  # as `tune` writes it; the flags override it
     tuned.write_text("slo:\n  tbt_p99_ms: 50\nknobs:\n  max_num_seqs: 16\n  chunk_size: 512\n")
+    # float32: greedy outputs are then exactly unchanged by live changes of the batch (bf16 rounding depends on
+    # the row count of each matrix product)
     s = SubprocessServer(args=["--config", str(tuned), "--max-num-seqs", "64", "--step-log", str(step_log),
-                               "--shutdown-timeout", "60"],
+                               "--shutdown-timeout", "60", "--dtype", "float32"],
                          env={"SLOTUNE_ADMIN_TOKEN": TOKEN})  # the token from the environment
     s.step_log = step_log
     yield s

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tuner.commands.calibrate import busy_gaps, limits_from
+from tuner.commands.calibrate import busy_gaps
+from tuner.simulation.simulator import DEFAULT_PROFILES, limits_from, limits_of, profile_path
 from tuner.simulation.step_time_model import StepTimeModel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,6 +38,26 @@ def test_model_limits_are_recovered_from_the_admin_config() -> None:
         assert got == {"max_context_len": 8192, "kv_bytes_per_token": 46080}
 
 
+def test_the_simulator_takes_a_live_engines_limits_over_its_profiles() -> None:
+    profile = StepTimeModel.load(profile_path(None, "float32"))
+    n = (1 << 30) // (23040 * 16)  # a bf16 engine's pool: half the KV bytes per token, twice the blocks
+    admin = {"config": {"kv_cache_bytes": 1 << 30, "block_size": 16, "num_kv_blocks": None, "max_model_len": None},
+             "resolved": {"num_kv_blocks": n, "max_model_len": 8192}}
+    assert limits_of(profile).kv_bytes_per_token == 46080
+    assert limits_of(profile, admin).kv_bytes_per_token == 23040
+
+
+def test_each_dtype_of_the_default_engine_has_its_shipped_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SLOTUNE_PROFILE", raising=False)
+    for dtype, path in DEFAULT_PROFILES.items():
+        assert profile_path(None, dtype) == path
+        model = StepTimeModel.load(path)
+        assert limits_of(model).kv_bytes_per_token == {"float32": 46080, "bfloat16": 23040}[dtype]
+        assert model.meta["health"].get("dtype", "float32") == dtype
+    assert profile_path(None, None) == profile_path(None, "float16") == DEFAULT_PROFILES["float32"]
+    assert profile_path("mine.json", "bfloat16") == Path("mine.json")
+
+
 def test_calibrate_refuses_an_engine_url_without_a_token(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, "-m", "slotune.cli", "calibrate", "--engine-url", "http://127.0.0.1:9",
                         "--out", str(tmp_path / "p.json")], cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -54,7 +75,9 @@ def test_calibrate_profiles_the_real_engine(tmp_path: Path) -> None:
     assert model.fit_error is not None and model.fit_error.n > 5
     assert model.ranges["block_size"] == [8.0, 32.0] and model.ranges["num_seqs"][1] > 1
     assert model.noise and model.gap_s >= 0 and model.token_latency_s > 0
-    assert model.meta["limits"] == {"max_context_len": 8192, "kv_bytes_per_token": 46080}
+    # the engine's default dtype (auto): 46080 KV bytes per token in float32, half in bfloat16
+    kv_bytes = 46080 if model.meta["health"]["dtype"] == "float32" else 23040
+    assert model.meta["limits"] == {"max_context_len": 8192, "kv_bytes_per_token": kv_bytes}
     steps = [json.loads(line) for line in out.with_suffix(".steps.jsonl").read_text().splitlines()]
     assert len(steps) == model.meta["steps"] and {s["block_size"] for s in steps} == {8, 16, 32}
     # A batch-1 decode step is predicted within a factor of two of what the engine measured for one.

@@ -27,6 +27,7 @@ import httpx
 
 from loadtest.config import LoadConfig
 from tuner.trials.engine_handle import ConfigRejected, EngineError, EngineHandle, ManagedEngine
+from tuner.simulation.simulator import limits_from
 from tuner.simulation.step_time_model import ProfileError, StepTimeModel
 
 # (knobs, ramp from, ramp to requests/s): small to large batches, budgets, chunks and blocks.
@@ -126,32 +127,12 @@ def calibrate(handle: EngineHandle, plan: CalibrationPlan, workdir: Path,
     gaps = busy_gaps(sorted(steps, key=lambda s: s["step"]))
     gap = statistics.fmean(sorted(gaps)[: max(1, int(len(gaps) * 0.99))]) if gaps else 0.0
     health = handle.health() or {}
-    cfg_now = httpx.get(handle.url + "/admin/config", headers={"authorization": f"Bearer {handle.admin_token}"},
-                        timeout=10).json()
+    cfg_now = handle.admin_config()
     return StepTimeModel.fit(steps, gap_s=gap, request_latency_s=latency / 2, token_latency_s=latency / 2,
                              meta={"engine": handle.url, "model": handle.model(), "steps": len(steps),
                                    "configs": [c[0] for c in plan.configs], "calibrated_at": time.time(),
                                    "limits": limits_from(cfg_now),
                                    "health": {k: health.get(k) for k in ("model", "dtype", "config_generation")}})
-
-
-def limits_from(admin_config: dict[str, Any]) -> dict[str, int]:
-    """The model's context and KV bytes per token from GET /admin/config's knobs and resolved sizes. The pool size
-    only brackets the bytes per token (num_kv_blocks = kv_cache_bytes // (bytes_per_token * block_size)); within
-    the bracket the value with the most factors of two is taken (2 x layers x KV heads x head dim x element size
-    is rich in them), which recovers the exact value for the usual model shapes."""
-    from tuner.simulation.simulator import DEFAULT_LIMITS
-
-    knobs, resolved = admin_config.get("config", {}), admin_config.get("resolved") or {}
-    size, bs, n = int(knobs.get("kv_cache_bytes") or 0), int(knobs.get("block_size") or 1), \
-        int(resolved.get("num_kv_blocks") or 0)
-    kv_per_token = DEFAULT_LIMITS.kv_bytes_per_token
-    if size and n and knobs.get("num_kv_blocks") is None:
-        lo, hi = size // ((n + 1) * bs) + 1, size // (n * bs)  # every k in lo..hi gives n blocks
-        candidates = [k for k in range(lo, hi + 1) if size // (k * bs) == n] or [hi]
-        kv_per_token = max(candidates, key=lambda k: ((k & -k), k))
-    max_len = resolved.get("max_model_len") if knobs.get("max_model_len") is None else None
-    return {"max_context_len": int(max_len or DEFAULT_LIMITS.max_context_len), "kv_bytes_per_token": kv_per_token}
 
 
 def main(argv: list[str] | None = None) -> int:

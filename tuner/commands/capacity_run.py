@@ -105,8 +105,8 @@ class CapacityRun:
         best becomes the next trial, its search starting at its predicted capacity. After each trial the speed is
         refitted to all the real trials so far and, when it moved, the configs are screened again, so that each next
         screened trial is the best at the engine's present speed."""
-        from tuner.search.screening import (SCREEN_DRAWS, SCREEN_REDRAWN, Rescreen, load_profile, rescale_text,
-                                            screen_capacity, sim_runner_like, speed_scale)
+        from tuner.search.screening import (SCREEN_DRAWS, SCREEN_REDRAWN, Rescreen, engine_dtype, load_profile,
+                                            rescale_text, screen_capacity, sim_runner_like, speed_scale)
         from tuner.simulation.step_time_model import StepTimeModel
 
         n = getattr(self.s.args, "screen", None) or SCREENED
@@ -134,7 +134,8 @@ class CapacityRun:
             return [(c.params, {"screen_predicted_capacity": c.typical, "screen_capacities": c.capacities})
                     for c in ranked]
 
-        rescreen = Rescreen(None if isinstance(self.runner, SimTrialRunner) else load_profile(), rank, top=top)
+        rescreen = Rescreen(None if isinstance(self.runner, SimTrialRunner)
+                            else load_profile(dtype=engine_dtype(self.runner)), rank, top=top)
         self.rescreen = rescreen
         rescreen.enqueue_next(self.study)
 

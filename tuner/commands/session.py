@@ -144,8 +144,8 @@ class TuneSession:
         configs are screened again, so that each next screened trial is the best at the engine's present speed
         (predicted against measured is printed at the end)."""
         # the simulator (it runs the engine's torch-free scheduler) is imported only when asked for
-        from tuner.search.screening import CONFIRMED, Rescreen, load_profile, measured_steps, predicted, \
-            rescale_text, screen, sim_runner_like, speed_scale
+        from tuner.search.screening import CONFIRMED, Rescreen, engine_dtype, load_profile, measured_steps, \
+            predicted, rescale_text, screen, sim_runner_like, speed_scale
         from tuner.simulation.step_time_model import StepTimeModel
 
         if not measured_steps(study):
@@ -175,7 +175,7 @@ class TuneSession:
                     f"at the engine's speed after the trials before it (ranking: {self.trials_dir / 'screen.json'})")
             return [(s.params, {"screen_predicted": predicted(s.outcome)}) for s in ranked]
 
-        rescreen = Rescreen(load_profile(), rank, top=CONFIRMED)
+        rescreen = Rescreen(load_profile(dtype=engine_dtype(runner)), rank, top=CONFIRMED)
         self.rescreen = rescreen
         rescreen.enqueue_next(study)
 

@@ -103,13 +103,14 @@ def length_ranges(lengths: Lengths) -> list[tuple[int, int, float]]:
     return out
 
 
-def refitted_model(steps: list[dict[str, Any]], block_size: int, profile: str | Path | None) -> Any:
-    """The shipped (or given) step-time profile rescaled to the engine's recent step records (unchanged when there
-    are too few of them)."""
+def refitted_model(steps: list[dict[str, Any]], block_size: int, profile: str | Path | None,
+                   dtype: str | None = None) -> Any:
+    """The given step-time profile (else the one shipped for the engine's ``dtype``) rescaled to the engine's recent
+    step records (unchanged when there are too few of them)."""
     from tuner.simulation.simulator import profile_path
     from tuner.simulation.step_time_model import StepTimeModel
 
-    model = StepTimeModel.load(profile_path(str(profile) if profile else None))
+    model = StepTimeModel.load(profile_path(str(profile) if profile else None, dtype))
     tagged = [{**s, "block_size": block_size} for s in steps]
     return model.rescaled(tagged, block_size) or model
 
@@ -120,20 +121,22 @@ def _ranked(p: Prediction, target: float) -> tuple[bool, float, float, float]:
 
 def search(policy: Policy, current: dict[str, Any], resolved: dict[str, Any], shape: Shape,
            steps: list[dict[str, Any]], study_knobs: list[dict[str, Any]], *, target: float,
-           profile: str | Path | None = None, seed: int = 0, backlog: int = 0) -> Search:
+           profile: str | Path | None = None, seed: int = 0, backlog: int = 0,
+           admin_config: dict[str, Any] | None = None, dtype: str | None = None) -> Search:
     """Screen one move's candidates at the live rate times the policy's headroom, starting from the engine's live
     queue (``backlog`` requests waiting or running: a config that only keeps up once the queue is empty would
     otherwise look fine); the best one if it beats the applied config's prediction (attainment reaching the target
-    where the applied one's does not, or goodput by MIN_GAIN)."""
+    where the applied one's does not, or goodput by MIN_GAIN). ``admin_config`` (GET /admin/config) and ``dtype``
+    are the engine's: its model limits and the shipped profile of its dtype."""
     from tuner.simulation.simulator import limits_of
 
     retune = policy.control.retune
-    model = refitted_model(steps, int(resolved.get("block_size") or 16), profile)
+    model = refitted_model(steps, int(resolved.get("block_size") or 16), profile, dtype)
     workload = live_workload(shape)
     rate = max(0.05, shape.arrival_rate * retune.headroom)
     slo = SLO(tbt_p99=policy.slo.tbt_p99, ttft_p99=policy.slo.ttft_p99, e2e_p99=policy.slo.e2e_p99)
-    sim = SimTrialRunner(model, limits=limits_of(model), workload=workload, rate=rate, duration=retune.sim_duration,
-                         warmup=3.0, slo=slo, seed=seed, base_knobs=dict(current), backlog=backlog)
+    sim = SimTrialRunner(model, limits=limits_of(model, admin_config), workload=workload, rate=rate,
+                         duration=retune.sim_duration, warmup=3.0, slo=slo, seed=seed, base_knobs=dict(current), backlog=backlog)
     info = {"workload": {**workload.as_dict(), "rate": round(rate, 4), "backlog": backlog},
             "model": {"rescaled": model.meta.get("rescaled"), "steps": len(steps)}}
 

@@ -11,10 +11,6 @@ from tuner.trials.engine_handle import ConfigRejected, EngineHandle
 class LeasingEngine(EngineHandle):
     """EngineHandle with the lease calls (PATCH ``lease_s``, POST /admin/config/confirm)."""
 
-    def admin_config(self) -> dict[str, Any]:
-        """GET /admin/config's whole body: config, generation, resolved, lease."""
-        return self._admin_json(self._request("GET", "/admin/config"))
-
     def apply(self, knobs: dict[str, Any], lease_s: float | None = None) -> dict[str, Any]:
         """PATCH the knobs (with a lease when ``lease_s``); the whole answer. Raises ConfigRejected on 422."""
         body = {**knobs, **({"lease_s": lease_s} if lease_s is not None else {})}

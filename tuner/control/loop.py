@@ -261,7 +261,8 @@ class Controller:
             try:
                 found = search(self.policy, current, resolved, shape, recent_steps, self.study_knobs(),
                                target=self.policy.control.triggers.attainment_target, profile=self.profile,
-                               seed=self.state.next_id, backlog=queued(self.history[-1]))
+                               seed=self.state.next_id, backlog=queued(self.history[-1]), admin_config=payload,
+                               dtype=(self.engine.health() or {}).get("dtype"))
             except Exception as error:  # a retune that fails is a decision not to move; the controller keeps watching
                 self.decide("no_move", trigger, f"the retune failed: {type(error).__name__}: {error}",
                             before=before.as_dict(), shape=shape.as_dict())

@@ -24,6 +24,7 @@ from tuner.search.objective import goodput, suggest_knobs
 from tuner.output import short_knobs
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.simulation.step_time_model import StepTimeModel
+from tuner.trials.engine_handle import EngineError, EngineHandle, ManagedEngine
 from tuner.trials.trial_backend import TrialBackend
 from tuner.trials.trial_runner import TrialOutcome, TrialRunner
 
@@ -132,11 +133,11 @@ def rank(screened: list[Screened]) -> list[Screened]:
     return sorted(screened, key=lambda s: (not s.outcome.feasible, -s.goodput))
 
 
-def load_profile(profile: str | Path | None = None) -> StepTimeModel:
-    """The step-time profile ``profile``, else $SLOTUNE_PROFILE, else the shipped one."""
+def load_profile(profile: str | Path | None = None, dtype: str | None = None) -> StepTimeModel:
+    """The step-time profile ``profile``, else $SLOTUNE_PROFILE, else the one shipped for ``dtype``."""
     from tuner.simulation.simulator import profile_path
 
-    return StepTimeModel.load(profile_path(str(profile) if profile else None))
+    return StepTimeModel.load(profile_path(str(profile) if profile else None, dtype))
 
 
 def sim_runner_like(runner: TrialRunner, profile: str | Path | None = None,
@@ -145,15 +146,39 @@ def sim_runner_like(runner: TrialRunner, profile: str | Path | None = None,
     """A simulated twin of a real TrialRunner: same workload, rate, window, SLO, seed and base config; step times
     from ``model``, else from ``profile`` (default: $SLOTUNE_PROFILE, else the shipped profile), rescaled to the
     engine's ``measured`` step records when there are enough of them (StepTimeModel.rescaled; the scale is in
-    ``timer.meta``)."""
+    ``timer.meta``). The model limits are the engine's own where it answers (its dtype sets the KV bytes per
+    token, so the twin's KV pool holds as many tokens), else the profile's."""
     from tuner.simulation.simulator import limits_of
 
     model = model or load_profile(profile)
     model = (model.rescaled(measured) if measured else None) or model
     assert isinstance(runner.slo, SLO)  # TrialRunner.__post_init__ made it one
-    return SimTrialRunner(model, limits=limits_of(model), workload=runner.workload, rate=runner.rate,
-                          duration=runner.duration, warmup=runner.warmup, slo=runner.slo,
+    return SimTrialRunner(model, limits=limits_of(model, engine_admin_config(runner)), workload=runner.workload,
+                          rate=runner.rate, duration=runner.duration, warmup=runner.warmup, slo=runner.slo,
                           seed=runner.seed, base_knobs=dict(runner.base_knobs or {}))
+
+
+def _live_handle(runner: TrialRunner | SimTrialRunner) -> EngineHandle | None:
+    if not isinstance(runner, TrialRunner):  # a simulated engine (tests): no engine to ask
+        return None
+    engine = runner.engine
+    return engine.handle if isinstance(engine, ManagedEngine) else engine
+
+
+def engine_admin_config(runner: TrialRunner | SimTrialRunner) -> dict[str, Any] | None:
+    """GET /admin/config of the engine ``runner`` measures, None when there is none yet or it does not answer."""
+    handle = _live_handle(runner)
+    try:
+        return handle.admin_config() if handle else None
+    except EngineError:
+        return None
+
+
+def engine_dtype(runner: TrialRunner | SimTrialRunner) -> str | None:
+    """The dtype the engine ``runner`` measures runs in (its /health), None when it does not answer."""
+    handle = _live_handle(runner)
+    health = handle.health() if handle else None
+    return (health or {}).get("dtype")
 
 
 def measured_steps(study: optuna.Study) -> list[dict[str, Any]]:

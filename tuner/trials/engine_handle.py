@@ -78,7 +78,12 @@ class EngineHandle:
 
     def get_config(self) -> dict[str, Any]:
         """The applied knobs (GET /admin/config -> its "config")."""
-        return self._admin_json(self._request("GET", "/admin/config"))["config"]
+        return self.admin_config()["config"]
+
+    def admin_config(self) -> dict[str, Any]:
+        """GET /admin/config's whole answer: the applied knobs ("config"), "generation", the sizes they resolve to
+        ("resolved") and any "lease"."""
+        return self._admin_json(self._request("GET", "/admin/config"))
 
     def patch_config(self, knobs: dict[str, Any]) -> dict[str, Any]:
         """Apply knobs live; returns the applied config. Raises ConfigRejected on 422."""
