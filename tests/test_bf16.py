@@ -159,6 +159,8 @@ def matching_prompts(got: list[list[int]], expected: list[list[int]]) -> int:
     return sum(g == e for g, e in zip(got, expected, strict=True))
 
 
+@pytest.mark.slow  # 32 greedy tokens of 16 prompts, and transformers' bf16 generate; the default suite checks the
+# logits against both (test_bf16_logits_are_close_to_transformers_bf16_and_to_the_fp32_engine)
 def test_bf16_greedy_tokens_match_transformers_bf16_and_fp32_on_most_prompts(
         bf16: LLM, hf_bf16, mixed_prompts: list[list[int]], reference_outputs: list[list[int]]) -> None:
     ours = [o.token_ids for o in bf16.generate(mixed_prompts, GREEDY)]

@@ -30,7 +30,9 @@ def assert_same(got: list[list[int]], expected: list[list[int]]) -> None:
     assert not bad, f"prompts {bad} differ from transformers, e.g. {got[bad[0]]} != {expected[bad[0]]}"
 
 
-@pytest.mark.parametrize("chunk_size", [1, 7, None], ids=["chunk1", "chunk7", "unbounded"])
+# chunk size 1 (every prompt token its own step) is slow: the slow suite; chunk 7 also splits every prompt
+@pytest.mark.parametrize("chunk_size", [pytest.param(1, marks=pytest.mark.slow), 7, None],
+                         ids=["chunk1", "chunk7", "unbounded"])
 def test_chunked_prefill_matches_transformers(mixed_prompts, reference_outputs, chunk_size) -> None:
     llm, got = run(mixed_prompts, chunk_size=chunk_size)
     assert_same(got, reference_outputs)

@@ -424,7 +424,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
-TestSchedulerMachine.settings = examples(200, stateful_step_count=40)
+TestSchedulerMachine.settings = examples(120, stateful_step_count=40)
 
 
 # Directed properties ------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 from typing import Any
@@ -44,9 +45,11 @@ def wait_running(server: InProcessServer, n: int, timeout: float = 60) -> None:
 def test_a_burst_fills_the_free_slots_before_the_bound_refuses(server: InProcessServer,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     real_step = server.engine.step
+    slow_until = [math.inf]
 
     def slow_step() -> Any:
-        time.sleep(1.0)  # the burst arrives while the engine is inside one step (sleep releases the GIL)
+        if time.monotonic() < slow_until[0]:
+            time.sleep(1.0)  # the burst arrives while the engine is inside one step (sleep releases the GIL)
         return real_step()
 
     body = {"prompt": "Tell me a story.", "max_tokens": 8, "ignore_eos": True, "temperature": 0}
@@ -57,6 +60,9 @@ def test_a_burst_fills_the_free_slots_before_the_bound_refuses(server: InProcess
             holder = asyncio.ensure_future(stream_completion(http, {**body, "max_tokens": 40}))
             while server.engine.scheduler.num_running < 1:
                 await asyncio.sleep(0.01)
+            # slow steps for the burst's first seconds only: it is admitted or refused by then, and the admitted
+            # requests then run at the engine's speed
+            slow_until[0] = time.monotonic() + 3.0
             monkeypatch.setattr(server.engine, "step", slow_step)
             burst = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(60)))
             monkeypatch.setattr(server.engine, "step", real_step)
