@@ -113,8 +113,8 @@ def test_triton_backend_matches_transformers_across_layouts(mixed_prompts: list[
 @pytest.mark.slow
 def test_triton_backend_relayouts_on_a_live_block_size_change(mixed_prompts: list[list[int]],
                                                               reference_outputs: list[list[int]]) -> None:
-    llm = LLM(device=str(DEVICE), dtype="float32", kernel_backend="triton", max_num_seqs=4, max_num_batched_tokens=24,
-              chunk_size=16, num_kv_blocks=64, max_model_len=1024)
+    llm = LLM(device=str(DEVICE), dtype="float32", kernel_backend="triton", max_num_seqs=4,
+              max_num_batched_tokens=24, chunk_size=16, num_kv_blocks=64, max_model_len=1024)
     engine = llm.engine
     ids = [engine.add_request(mixed_prompts[i], SamplingParams(max_tokens=TOKENS, temperature=0.0))
            for i in PROMPTS]

@@ -107,10 +107,9 @@ def refitted_model(steps: list[dict[str, Any]], block_size: int, profile: str | 
                    dtype: str | None = None) -> Any:
     """The given step-time profile (else the one shipped for the engine's ``dtype``) rescaled to the engine's recent
     step records (unchanged when there are too few of them)."""
-    from tuner.simulation.simulator import profile_path
-    from tuner.simulation.step_time_model import StepTimeModel
+    from tuner.search.screening import load_profile
 
-    model = StepTimeModel.load(profile_path(str(profile) if profile else None, dtype))
+    model = load_profile(profile, dtype)
     tagged = [{**s, "block_size": block_size} for s in steps]
     return model.rescaled(tagged, block_size) or model
 
@@ -136,7 +135,8 @@ def search(policy: Policy, current: dict[str, Any], resolved: dict[str, Any], sh
     rate = max(0.05, shape.arrival_rate * retune.headroom)
     slo = SLO(tbt_p99=policy.slo.tbt_p99, ttft_p99=policy.slo.ttft_p99, e2e_p99=policy.slo.e2e_p99)
     sim = SimTrialRunner(model, limits=limits_of(model, admin_config), workload=workload, rate=rate,
-                         duration=retune.sim_duration, warmup=3.0, slo=slo, seed=seed, base_knobs=dict(current), backlog=backlog)
+                         duration=retune.sim_duration, warmup=3.0, slo=slo, seed=seed, base_knobs=dict(current),
+                         backlog=backlog)
     info = {"workload": {**workload.as_dict(), "rate": round(rate, 4), "backlog": backlog},
             "model": {"rescaled": model.meta.get("rescaled"), "steps": len(steps)}}
 

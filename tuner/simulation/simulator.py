@@ -79,6 +79,8 @@ def limits_from(admin_config: dict[str, Any]) -> dict[str, int]:
         kv_per_token = max(candidates, key=lambda k: ((k & -k), k))
     max_len = resolved.get("max_model_len") if knobs.get("max_model_len") is None else None
     return {"max_context_len": int(max_len or DEFAULT_LIMITS.max_context_len), "kv_bytes_per_token": kv_per_token}
+
+
 # Unique prompts get ids from here on: far above any vocabulary, so they never meet a real token id.
 _UNIQUE_BASE = 1 << 40
 _DUMMY_TOKEN = 0
