@@ -7,6 +7,7 @@ The limit it is compared with: the poll interval (2 s by default); the work must
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,8 @@ from tests.dashboard_data import step_records
 POLL_INTERVAL_S = 2.0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)  # no options: --help only
     buckets = HistogramBuckets([0.01, 0.025, 0.05, 0.1, float("inf")], [10.0, 300.0, 900.0, 990.0, 1000.0])
     print(f"{'steps':>6} {'build+serialize ms':>19} {'share of 2 s poll':>18} {'JSON KB':>8}")
     for n in (100, 1000, 5000):

@@ -61,8 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a Hugging Face model folder; default: the engine's default model")
     p.add_argument("--threads", type=int, default=2, help="torch threads (also OMP/MKL threads); default 2")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="the engine's dtype (auto: its default choice), and transformers' (the same)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights, activations and KV cache of every system: the engine's dtype (auto: its default "
+                        "choice) and transformers' (the same)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--length-scale", type=float, default=1.0, help="multiplies every length bound")
     p.add_argument("--seed", type=int, default=0)
@@ -83,8 +84,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the bandwidth-test tensor")
     p.add_argument("--bandwidth-passes", type=int, default=10)
     p.add_argument("--device", default="cpu", help="torch device of every system (benchmarks/gpu_suite.py: cuda)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights, activations and KV cache of every system")
     p.add_argument("--skip", nargs="*", default=[], choices=["engine", "static", "hf_cb", "batch1"],
                    help="systems to leave out")
     p.add_argument("--out", type=Path, default=Path("engine_throughput.json"), help="where the JSON result goes")
@@ -400,7 +399,7 @@ class HFContinuousBatchingSystem:
         self.args, self.model, self.requests, self.torch = args, model, requests, torch
         text_cfg = model.config.get_text_config()
         head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
-        element = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
+        element = torch.tensor([], dtype=model.dtype).element_size()
         kv_bytes_per_token = 2 * text_cfg.num_hidden_layers * text_cfg.num_key_value_heads * head_dim * element
         cb_kwargs: dict[str, Any] = {}
         if args.hf_page_size is not None:
