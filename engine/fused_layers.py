@@ -15,9 +15,11 @@ ninja) into the cache folder, for this CPU (-march=native; the folder is named a
   the query heads that share a KV head read each key and value row once, and at small batches each context is split
   into slices (merged after) so that both threads work.
 - bf16 weights and KV cache (engine/model.py keeps activations, norms and biases fp32): ``linear`` takes a bf16
-  weight with an fp32 input (AVX512-BF16 ``vdpbf16ps`` on the input rounded to bf16 where the CPU has it, checked at
-  run time; else the weights widened to fp32 by a shift; ``set_bf16_kernel`` picks one), tiles up to their own
-  measured limit and at::linear in bf16 above it (oneDNN: AMX where the CPU has it); ``decode_attention`` and
+  weight with an fp32 input, which it rounds to bf16. Where the CPU has AMX-BF16 the weights are stored in the
+  tiles' layout (``pack_amx_weight``, at load) and every row count runs on AMX tiles with fp32 sums
+  (csrc/linear_bf16_amx.cpp; ``amx_layout``; $SLOTUNE_AMX=0 turns it off). Elsewhere: AVX512-BF16 ``vdpbf16ps`` where
+  the CPU has it, checked at run time, else the weights widened to fp32 by a shift (``set_bf16_kernel`` picks one),
+  tiles up to their own measured limit and at::linear in bf16 above it (oneDNN). ``decode_attention`` and
   ``rotary_cache_write`` take bf16 caches; ``bf16_speedup`` is what dtype "auto" (engine/precision.py) decides by.
 - ``pack_weights``: the model's weights, in the order a forward pass reads them, in one buffer on 2 MB pages.
 - ``rms_norm``, ``rotary_cache_write`` (rotary queries and keys, new keys and values into the cache) and
@@ -56,6 +58,7 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the weights' and KV cache's d
 ENV_SWITCH = "SLOTUNE_FUSED_LAYERS"  # "0": never build or use it
 TILED_ROWS_ENV = "SLOTUNE_TILED_ROWS"  # overrides the measured limit of the tiled linear (6: tiles off)
 BF16_TILED_ROWS_ENV = "SLOTUNE_BF16_TILED_ROWS"  # the same for bf16 weights
+AMX_ENV = "SLOTUNE_AMX"  # "0": bf16 weights keep the plain layout (dot/widen tiles and oneDNN) on an AMX CPU too
 TORCH_BUILD_LOCK = "lock"  # torch.utils.cpp_extension's lock file in the build folder
 MEASUREMENTS_FILE = "machine_measurements.json"  # in the build folder: what load() measured on this machine
 SOURCE_DIR = Path(__file__).with_name("csrc")  # headers (*.h) and translation units (*.cpp)
@@ -151,6 +154,31 @@ def _measured(build_dir: Path, key: str, measure: Any) -> Any:
     return data[key]
 
 
+def amx_enabled(module: Any) -> bool:
+    """Whether bf16 matrices run on the AMX tile kernel here: the CPU has AMX-BF16, the OS grants the tiles and
+    $SLOTUNE_AMX is not "0"."""
+    return os.environ.get(AMX_ENV, "1") != "0" and bool(module.amx_supported())
+
+
+def amx_layout(module: Any, weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] in the AMX tiles' layout ([N/16, K/32, 16, 32], which ``linear`` takes) where the tile
+    kernel runs here and the shape divides into tiles; otherwise the weight itself."""
+    if (weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[0] % 16 or weight.shape[1] % 32
+            or not amx_enabled(module)):
+        return weight
+    return module.pack_amx_weight(weight)
+
+
+def in_features(weight: torch.Tensor) -> int:
+    """K of a weight [N, K], plain or in the AMX tiles' layout [N/16, K/32, 16, 32]."""
+    return weight.shape[1] * weight.shape[3] if weight.dim() == 4 else weight.shape[1]
+
+
+def bf16_kernel_name(module: Any) -> str:
+    """The kernel bf16 weights run on: "amx" (all row counts), else "dot" or "widen" up to the tiles' limit."""
+    return "amx" if amx_enabled(module) else str(module.get_bf16_kernel())
+
+
 def tiled_rows_limit(module: Any, build_dir: Path, bf16: bool = False) -> int:
     """Up to how many input rows ``linear`` uses its own tiles rather than at::linear (BLAS; for bf16 weights
     oneDNN, which has AMX tiles where the CPU has them): $SLOTUNE_TILED_ROWS / $SLOTUNE_BF16_TILED_ROWS, else the
@@ -177,15 +205,15 @@ def _median_times(linears: list[Any], weights: list[list[torch.Tensor]], m: int,
     elsewhere on the machine falls on all of them alike). The median, not the best: torch's OpenMP-threaded kernels
     lose much more than the work pool's when another process holds a core, and a best-of pass hides that (measured:
     BENCHMARKS.md, "The kernels' design measurements")."""
-    inputs = {w.shape[1]: torch.randn(m, w.shape[1]) for ws in weights for w in ws}
+    inputs = {in_features(w): torch.randn(m, in_features(w)) for ws in weights for w in ws}
     times: list[list[float]] = [[] for _ in linears]
     for linear, ws in zip(linears, weights, strict=True):  # warm-up (oneDNN builds its kernels on first use)
-        linear(inputs[ws[0].shape[1]], ws[0])
+        linear(inputs[in_features(ws[0])], ws[0])
     for _ in range(repeats):
         for i, (linear, ws) in enumerate(zip(linears, weights, strict=True)):
             start = time.perf_counter()
             for w in ws:
-                linear(inputs[w.shape[1]], w)
+                linear(inputs[in_features(w)], w)
             times[i].append(time.perf_counter() - start)
     return [statistics.median(t) for t in times]
 
@@ -215,13 +243,16 @@ def measure_tiled_rows_limit(module: Any, rows: tuple[int, ...] = (8, 16, 32, 64
 
 def bf16_speedup(module: Any) -> dict[str, float]:
     """fp32 time / bf16 time of ``linear`` over a decoder's matrices, at a decode step's row count (1) and at a
-    mixed step's (64), measured on this machine once and kept (> 1: the bf16 kernels are the faster)."""
-    return _measured(Path(module.build_dir), "bf16_speedup", lambda: measure_bf16_speedup(module))
+    mixed step's (64), with the bf16 kernel the engine uses here (bf16_kernel_name), measured on this machine once
+    and kept (> 1: the bf16 kernels are the faster)."""
+    key = f"bf16_speedup_{bf16_kernel_name(module)}"
+    return _measured(Path(module.build_dir), key, lambda: measure_bf16_speedup(module))
 
 
 def measure_bf16_speedup(module: Any, rows: tuple[int, ...] = (1, 64),
                          weight_bytes: int = 64 << 20) -> tuple[dict[str, float], dict[str, list[float]]]:
-    fp32, bf16 = _decoder_weights(weight_bytes, torch.float32), _decoder_weights(weight_bytes // 2, torch.bfloat16)
+    fp32 = _decoder_weights(weight_bytes, torch.float32)
+    bf16 = [amx_layout(module, w) for w in _decoder_weights(weight_bytes // 2, torch.bfloat16)]
 
     def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return module.linear(x, w, None, None)

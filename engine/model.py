@@ -4,8 +4,9 @@ token; q/k/v and gate/up projections are fused into one matmul each to save pass
 
 from __future__ import annotations
 
+import functools
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from engine.model_loader import ModelConfig
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [q + k + v outputs, hidden]
+    qkv: torch.Tensor  # [q + k + v outputs, hidden] (bf16 on an AMX CPU: in the tiles' layout, 4-d)
     qkv_bias: torch.Tensor | None
     o_proj: torch.Tensor
     post_attention_norm: torch.Tensor
@@ -97,16 +98,22 @@ class LlamaModel:
 
     def _pack_weights(self, kernels: Any) -> None:
         """Moves the weights into one buffer in forward order on 2 MB pages (engine/csrc/pack_weights.cpp):
-        a decode step streams them all, and on 4 KB pages every 4 KB of each stream is a TLB miss."""
-        packed = iter(kernels.pack_weights(self._weights_in_forward_order()))
+        a decode step streams them all, and on 4 KB pages every 4 KB of each stream is a TLB miss. bf16 matrices go
+        into the AMX tiles' layout first where the CPU has AMX (fused_layers.amx_layout); a tied embedding then
+        keeps its plain copy for the token lookups and the LM head reads the tiled one."""
         tied = self.lm_head is self.embed_tokens
+        tiles = functools.partial(fused_layers.amx_layout, kernels)
+        self.layers = [replace(layer, qkv=tiles(layer.qkv), o_proj=tiles(layer.o_proj), gate_up=tiles(layer.gate_up),
+                               down=tiles(layer.down)) for layer in self.layers]
+        self.lm_head = tiles(self.lm_head)
+        packed = iter(kernels.pack_weights(self._weights_in_forward_order()))
         for index, layer in enumerate(self.layers):
             self.layers[index] = LayerWeights(
                 input_norm=next(packed), qkv=next(packed),
                 qkv_bias=next(packed) if layer.qkv_bias is not None else None,
                 o_proj=next(packed), post_attention_norm=next(packed), gate_up=next(packed), down=next(packed))
         self.final_norm, self.lm_head = next(packed), next(packed)
-        if tied:
+        if tied and self.lm_head.dim() == 2:
             self.embed_tokens = self.lm_head
 
     def weight_bytes(self) -> int:
@@ -218,8 +225,8 @@ class LlamaModel:
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        """residual + F.linear(x, weight, bias); a decode step of up to 6 sequences uses the C++ streaming kernel
-        (engine/fused_layers.py), which adds the residual in the same pass."""
+        """residual + F.linear(x, weight, bias); with the C++ kernels (engine/fused_layers.py), which add the residual
+        in the same pass and take a weight in the AMX tiles' layout."""
         if self.kernels is not None:
             return self.kernels.linear(x, weight, bias, residual)
         out = F.linear(x, weight, bias)

@@ -61,7 +61,7 @@ def choose_dtype(requested: str, device: str) -> DtypeChoice:
         return DtypeChoice("float32", f"dtype auto -> float32: {', '.join(flags)} present, but the bf16 C++ kernels "
                                       f"are not faster here (bf16 speed / fp32: {measured})")
     return DtypeChoice("bfloat16", f"dtype auto -> bfloat16: {', '.join(flags)} present, bf16 C++ kernels "
-                                   f"({kernels.get_bf16_kernel()}) faster here (bf16 speed / fp32: {measured})")
+                                   f"({fused_layers.bf16_kernel_name(kernels)}) faster here (bf16 speed / fp32: {measured})")
 
 
 def _cuda_dtype(device: str) -> DtypeChoice:

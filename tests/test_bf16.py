@@ -68,6 +68,40 @@ def test_bf16_linear_above_its_limit_is_torchs_bf16_linear(kernels) -> None:
         kernels.set_bf16_kernel("amx")
 
 
+AMX = (k := fused_layers.load()) is not None and fused_layers.amx_enabled(k)
+
+
+@pytest.mark.skipif(not AMX, reason="the CPU has no AMX-BF16 (or $SLOTUNE_AMX=0)")
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 40, 100])  # one tile, a part, 2 x 2 tiles, both with leftovers
+@pytest.mark.parametrize(("outputs", "features"), [(1008, 576), (64, 1536), (16, 32)])  # 1008: 63 column blocks
+def test_amx_linear_matches_the_fp32_product_of_the_rounded_input(kernels, rows: int, outputs: int,
+                                                                  features: int) -> None:
+    generator = torch.Generator().manual_seed(rows + outputs)
+    x = torch.randn(rows, features, generator=generator)
+    weight = torch.randn(outputs, features, generator=generator).bfloat16()
+    bias, residual = torch.randn(outputs, generator=generator), torch.randn(rows, outputs, generator=generator)
+    packed = fused_layers.amx_layout(kernels, weight)
+    assert packed.shape == (outputs // 16, features // 32, 16, 32) and fused_layers.in_features(packed) == features
+    expected = torch.nn.functional.linear(x.bfloat16().double(), weight.double(), bias.double()) + residual.double()
+    got = kernels.linear(x, packed, bias, residual)
+    assert got.dtype == torch.float32 and got.shape == (rows, outputs)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernels.linear(x, packed).double(), expected - residual.double() - bias.double(), rtol=1e-5,
+                               atol=1e-4)
+    with pytest.raises(RuntimeError, match="input has 100 features"):
+        kernels.linear(torch.randn(1, 100), packed)
+
+
+@pytest.mark.skipif(not AMX, reason="the CPU has no AMX-BF16 (or $SLOTUNE_AMX=0)")
+def test_amx_layout_keeps_shapes_that_do_not_divide_into_tiles(kernels) -> None:
+    odd = torch.randn(1003, 576).bfloat16()
+    assert fused_layers.amx_layout(kernels, odd) is odd  # the plain kernels take it
+    fp32 = torch.randn(64, 64)
+    assert fused_layers.amx_layout(kernels, fp32) is fp32
+    with pytest.raises(RuntimeError, match="N % 16 == 0 and K % 32 == 0"):
+        kernels.pack_amx_weight(odd)
+
+
 @pytest.mark.parametrize(("contexts", "heads", "kv_heads", "dim"), [
     ([1, 7, 33, 130], 9, 3, 64), ([257], 9, 3, 64), ([300, 5], 8, 1, 128), ([40, 90], 4, 4, 80)])
 def test_decode_attention_on_a_bf16_cache_matches_fp32_on_the_same_values(kernels, contexts: list[int], heads: int,
@@ -108,6 +142,8 @@ def test_rotary_cache_write_rounds_into_a_bf16_cache(kernels, fp32: LLM) -> None
 def test_bf16_fused_layer_loop_is_bit_identical_to_the_python_loop(bf16: LLM, batch) -> None:  # type: ignore[no-untyped-def]
     model, kv = bf16.engine.model, bf16.engine.runner.kv_cache
     assert model.fused_loop and model.layers[0].qkv.dtype == torch.bfloat16 and kv.key.dtype == torch.bfloat16
+    assert model.layers[0].qkv.dim() == (4 if AMX else 2) and model.lm_head.dim() == (4 if AMX else 2)
+    assert model.embed_tokens.dim() == 2  # the token lookups read the plain rows
     generator = torch.Generator().manual_seed(0)
     kv.key.copy_(torch.randn(kv.key.shape, generator=generator))
     kv.value.copy_(torch.randn(kv.value.shape, generator=generator))

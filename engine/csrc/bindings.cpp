@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "kernels.h"
+#include "linear_bf16_amx.h"
 #include "linear_bf16_dot.h"
 
 // The compute functions take and return tensors only and let go of the GIL while they run: a step's forward pass
@@ -19,6 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_bf16_kernel", &set_bf16_kernel, "bf16 weights: 'dot' (x rounded to bf16, vdpbf16ps) or 'widen'");
   m.def("get_bf16_kernel", &get_bf16_kernel, "the bf16 kernel in use");
   m.def("bf16_dot_supported", &bf16_dot_supported, "whether this CPU executes AVX512-BF16");
+  m.def("amx_supported", &amx_supported, "whether this CPU executes AMX-BF16 and the OS grants the tiles");
+  m.def("pack_amx_weight", &pack_amx_weight, "a bf16 weight [N, K] in AMX tiles' layout [N/16, K/32, 16, 32]");
   m.def("pack_weights", &pack_weights, "copies of the tensors, in order, in one buffer on huge pages", nogil);
   m.def("rotary_cache_write", &rotary_cache_write, "rotary queries/keys, and the new keys/values into the cache", nogil);
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up of the fused gate/up projection", nogil);

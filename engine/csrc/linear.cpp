@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "linear_bf16_amx.h"
 #include "linear_bf16_dot.h"
 #include "simd.h"
 #include "work_pool.h"
@@ -159,6 +160,39 @@ static const c10::BFloat16* to_bf16(const float* x, int64_t n) {
   return buffer.data();
 }
 
+// x [M, K] fp32 -> bf16 as to_bf16, the rows padded with zeros to a multiple of 16 (AMX tiles are 16 rows).
+static const c10::BFloat16* to_bf16_tile_rows(const float* x, int64_t M, int64_t K) {
+  thread_local std::vector<c10::BFloat16> buffer;
+  const int64_t n = M * K, padded = (M + 15) / 16 * 16 * K;
+  buffer.resize(padded);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store16(buffer.data() + i, load16(x + i));
+  for (; i < n; ++i) buffer[i] = c10::BFloat16(x[i]);
+  std::fill(buffer.begin() + n, buffer.begin() + padded, c10::BFloat16(0.0f));
+  return buffer.data();
+}
+
+// fp32 input, a bf16 weight packed for AMX tiles (pack_amx_weight: [N/16, K/32, 16, 32]): fp32 out, any row count.
+static Tensor amx_weight_linear(const Tensor& input, const Tensor& packed, const std::optional<Tensor>& bias,
+                                const std::optional<Tensor>& residual) {
+  TORCH_CHECK(amx_supported(), "linear: a weight packed for AMX tiles needs a CPU with AMX-BF16");
+  TORCH_CHECK(input.dim() == 2 && input.is_cpu() && packed.is_contiguous(), "linear: AMX path takes a 2-d input");
+  const int64_t M = input.size(0), K = packed.size(1) * packed.size(3), N = packed.size(0) * packed.size(2);
+  TORCH_CHECK(input.size(1) == K, "linear: input has ", input.size(1), " features, weight expects ", K);
+  if (!fp32_extras(bias, residual, M, N)) {  // rare forms: the product here, the extras by ATen
+    Tensor out = amx_weight_linear(input, packed, std::nullopt, std::nullopt);
+    if (bias.has_value()) out += *bias;
+    return residual.has_value() ? *residual + out : out;
+  }
+  Tensor y = at::empty({M, N}, input.options());
+  if (M == 0) return y;
+  const Tensor x = input.contiguous();
+  amx_linear(to_bf16_tile_rows(x.data_ptr<float>(), M, K), packed.data_ptr<c10::BFloat16>(),
+             bias.has_value() ? bias->data_ptr<float>() : nullptr,
+             residual.has_value() ? residual->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N);
+  return y;
+}
+
 // fp32 input, bf16 weight: fp32 out. The library path rounds its output to bf16 (ATen's bf16 linear).
 static Tensor bf16_weight_linear(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias,
                                  const std::optional<Tensor>& residual) {
@@ -193,7 +227,8 @@ static Tensor bf16_weight_linear(const Tensor& input, const Tensor& weight, cons
 Tensor small_batch_linear(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias,
                           const std::optional<Tensor>& residual) {
   if (weight.scalar_type() == at::kBFloat16 && input.scalar_type() == at::kFloat)
-    return bf16_weight_linear(input, weight, bias, residual);
+    return weight.dim() == 4 ? amx_weight_linear(input, weight, bias, residual)
+                             : bf16_weight_linear(input, weight, bias, residual);
   const bool without_blas =
       input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && input.dim() == 2 &&
       input.size(0) <= std::max(kMaxGemvRows, tiled_rows_limit) && input.size(0) > 0 && weight.is_contiguous() &&
