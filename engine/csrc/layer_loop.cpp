@@ -38,19 +38,19 @@ static Tensor paged_attention(const Tensor& query, const Tensor& key, const Tens
   Tensor out = at::empty_like(query);
   for (size_t g = 0; g < b.decode_start.size(); ++g)
     out.slice(0, b.decode_start[g], b.decode_end[g]).copy_(decode_group(query, key_cache, value_cache, b, g, scale));
+  const auto cache_type = key_cache.scalar_type();  // the chunks' attention runs in it (engine/attention.py)
   for (size_t c = 0; c < b.prefill_start.size(); ++c) {
     const int64_t start = b.prefill_start[c], end = b.prefill_end[c];
-    Tensor q = query.slice(0, start, end).transpose(0, 1).unsqueeze(0);
+    Tensor q = query.slice(0, start, end).transpose(0, 1).unsqueeze(0).to(cache_type);
     Tensor o;
     if (!b.prefill_masks[c].has_value()) {
-      Tensor k = key.slice(0, start, end).transpose(0, 1).unsqueeze(0);
-      Tensor v = value.slice(0, start, end).transpose(0, 1).unsqueeze(0);
+      Tensor k = key.slice(0, start, end).transpose(0, 1).unsqueeze(0).to(cache_type);
+      Tensor v = value.slice(0, start, end).transpose(0, 1).unsqueeze(0).to(cache_type);
       o = at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, true, scale, true);
     } else {
-      // (a bf16 cache is widened to the query's fp32 first, as in engine/attention.py)
       const Tensor table = b.prefill_tables[c].unsqueeze(0);
-      Tensor k = gather(key_cache, table).narrow(2, 0, b.prefill_context[c]).to(q.scalar_type());
-      Tensor v = gather(value_cache, table).narrow(2, 0, b.prefill_context[c]).to(q.scalar_type());
+      Tensor k = gather(key_cache, table).narrow(2, 0, b.prefill_context[c]);
+      Tensor v = gather(value_cache, table).narrow(2, 0, b.prefill_context[c]);
       o = at::scaled_dot_product_attention(q, k, v, b.prefill_masks[c], 0.0, false, scale, true);
     }
     out.slice(0, start, end).copy_(o.squeeze(0).transpose(0, 1));
