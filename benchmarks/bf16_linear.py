@@ -1,0 +1,106 @@
+#!/usr/bin/env python
+"""The engine's bf16 matrix kernels against each other and against torch's, per row count, over a decoder's matrices
+larger than the last-level cache (SmolLM2's gate/up and down shapes, `--megabytes` of fp32 weights and the same
+matrices in bf16), each kernel's pass over all of them timed in turn, alternating, `--rounds` rounds of
+`--repeats` passes; per round the median pass, then the median over rounds and each ratio paired by round.
+
+Kernels: `fp32` (the engine's fp32 `linear`: streaming GEMV up to 6 rows, register tiles up to the measured limit,
+BLAS above), `bf16-plain` (the engine's bf16 `linear` on plain weights: AVX512-BF16 dot products or widened weights up
+to its measured limit, oneDNN above), `bf16-amx` (the AMX tile kernel on weights in the tiles' layout; only where the
+CPU has AMX-BF16), `onednn` (torch's bf16 `linear` with the input rounded to bf16 and the output widened, what the
+plain path calls above its limit).
+
+    python benchmarks/bf16_linear.py --out results/bf16_linear.json
+    python benchmarks/bf16_linear.py --rows 1 16 512 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import fused_layers  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
+    parser.add_argument("--megabytes", type=int, default=64, help="fp32 weights streamed per pass")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="passes per kernel per round")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path)
+    return parser.parse_args(argv)
+
+
+def cpu() -> dict[str, Any]:
+    name, flags = platform.processor(), []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not name:
+                name = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = line.split(":", 1)[1].split()
+                break
+    except OSError:
+        pass
+    return {"name": name, "flags": sorted(f for f in flags if f.startswith(("avx512", "amx")))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    module = fused_layers.load()
+    if module is None:
+        raise SystemExit("the engine's C++ kernels could not be built (g++ and ninja are needed)")
+    fp32 = fused_layers._decoder_weights(args.megabytes << 20, torch.float32)
+    plain = [w.bfloat16() for w in fp32]
+    weights: dict[str, list[torch.Tensor]] = {"fp32": fp32, "bf16-plain": plain}
+    if module.amx_supported():
+        weights["bf16-amx"] = [module.pack_amx_weight(w) for w in plain]
+    weights["onednn"] = plain
+
+    def engine_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return module.linear(x, w, None, None)
+
+    def onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.bfloat16(), w).float()
+
+    names = list(weights)
+    linears = [onednn if name == "onednn" else engine_linear for name in names]
+    results: dict[str, Any] = {"cpu": cpu(), "threads": args.threads, "megabytes_fp32": args.megabytes,
+                               "bf16_kernel": fused_layers.bf16_kernel_name(module),
+                               "bf16_tiled_rows_limit": module.get_tiled_rows_limit(True), "rows": {}}
+    print(f"{results['cpu']['name']}, {args.threads} threads; ms per pass over {args.megabytes} MB of fp32 matrices "
+          f"(bf16: half); median over {args.rounds} rounds")
+    print(f"{'rows':>5} " + " ".join(f"{name:>11}" for name in names) + "   ratios to bf16-amx (paired by round)")
+    for m in args.rows:
+        rounds = [fused_layers._median_times(linears, [weights[n] for n in names], m, args.repeats)
+                  for _ in range(args.rounds)]
+        medians = {n: statistics.median(r[i] for r in rounds) * 1e3 for i, n in enumerate(names)}
+        entry: dict[str, Any] = {"ms": medians, "per_round_ms": {n: [r[i] * 1e3 for r in rounds]
+                                                                  for i, n in enumerate(names)}}
+        line = f"{m:>5} " + " ".join(f"{medians[n]:>11.2f}" for n in names)
+        if "bf16-amx" in weights:
+            amx = names.index("bf16-amx")
+            entry["time_over_amx"] = {n: statistics.median(r[i] / r[amx] for r in rounds)
+                                      for i, n in enumerate(names) if i != amx}
+            line += "   " + ", ".join(f"{n} {v:.2f}x" for n, v in entry["time_over_amx"].items())
+        results["rows"][str(m)] = entry
+        print(line, flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
