@@ -291,7 +291,12 @@ def run_batch1(args: argparse.Namespace, llm: Any, vocab_size: int, torch: Any) 
         model = llm.engine.model
         if model.kernels is not None:
             # The same run without each of the C++ kernels (engine/fused_layers.py), alternating: what each saves.
-            for variant, kernels, fused_loop in (("python_loop", model.kernels, False), ("aten_only", None, False)):
+            # torch's ops alone only in fp32: a bf16 model's weights (fp32 activations beside them, the AMX tiles'
+            # layout) are the kernels' own forms.
+            variants = [("python_loop", model.kernels, False)]
+            if model.dtype == torch.float32:
+                variants.append(("aten_only", None, False))
+            for variant, kernels, fused_loop in variants:
                 saved = model.kernels, model.fused_loop
                 model.kernels, model.fused_loop = kernels, fused_loop
                 try:
