@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import fused_layers  # noqa: E402
+from vllm_cpu_peer import cpu_description  # noqa: E402  (this folder is on sys.path when run as a script)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,20 +40,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path)
     return parser.parse_args(argv)
-
-
-def cpu() -> dict[str, Any]:
-    name, flags = platform.processor(), []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not name:
-                name = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-                break
-    except OSError:
-        pass
-    return {"name": name, "flags": sorted(f for f in flags if f.startswith(("avx512", "amx")))}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
 
     names = list(weights)
     linears = [onednn if name == "onednn" else engine_linear for name in names]
-    results: dict[str, Any] = {"cpu": cpu(), "threads": args.threads, "megabytes_fp32": args.megabytes,
+    results: dict[str, Any] = {"cpu": cpu_description(), "threads": args.threads, "megabytes_fp32": args.megabytes,
                                "bf16_kernel": fused_layers.bf16_kernel_name(module),
                                "bf16_tiled_rows_limit": module.get_tiled_rows_limit(True), "rows": {}}
     print(f"{results['cpu']['name']}, {args.threads} threads; ms per pass over {args.megabytes} MB of fp32 matrices "
