@@ -43,6 +43,13 @@ def browser() -> Iterator[Any]:
     yield from headless_browser()
 
 
+def decisions_table(browser: Any) -> dict[str, Any] | None:
+    return browser.execute_script(
+        "const t = document.getElementById('controller-decisions');"
+        "if (!t || !t.tBodies.length || !t.tBodies[0].rows.length) return null;"
+        "return {rows: t.tBodies[0].rows.length, text: t.innerText};")
+
+
 def trace_points(browser: Any, graph_id: str) -> dict[str, int] | None:
     return browser.execute_script(
         "const g = document.querySelector('#' + CSS.escape(arguments[0]) + ' .js-plotly-plot');"
@@ -61,9 +68,10 @@ def test_controller_page_draws_attainment_knobs_and_decisions(browser: Any, tmp_
         assert points["attainment"] == N_OBS and points["max_num_seqs"] == N_OBS
         assert {k: v for k, v in points.items() if k.startswith("decision")} == {
             f"decision: {o}": 1 for o in OUTCOMES}
-        rows = browser.execute_script("return document.getElementById('controller-decisions').tBodies[0].rows.length")
-        assert rows == len(OUTCOMES)
-        assert "because rolled_back" in browser.find_element("id", "controller-decisions").text
+        # The page redraws every poll: read the table in one script call, so no element goes stale between reads.
+        table = wait_for(lambda: decisions_table(browser), "the decisions table")
+        assert table["rows"] == len(OUTCOMES)
+        assert "because rolled_back" in table["text"]
         assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         full_page_screenshot(browser, REPO / "build" / "screenshots" / "controller.png")
     finally:
