@@ -150,26 +150,22 @@ static bool fp32_extras(const std::optional<Tensor>& bias, const std::optional<T
                                     residual->dim() == 2 && residual->size(0) == M && residual->size(1) == N));
 }
 
-// x [M, K] fp32 -> bf16, rounded to the nearest (as Tensor.to(torch.bfloat16)), into a per-thread buffer.
-static const c10::BFloat16* to_bf16(const float* x, int64_t n) {
+// x [M, K] fp32 -> bf16, rounded to the nearest (as Tensor.to(torch.bfloat16)), into a per-thread buffer of
+// `padded` >= n values, the rest zeros (AMX tiles read rows in sixteens).
+static const c10::BFloat16* to_bf16(const float* x, int64_t n, int64_t padded) {
   thread_local std::vector<c10::BFloat16> buffer;
-  buffer.resize(n);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) store16(buffer.data() + i, load16(x + i));
-  for (; i < n; ++i) buffer[i] = c10::BFloat16(x[i]);
-  return buffer.data();
-}
-
-// x [M, K] fp32 -> bf16 as to_bf16, the rows padded with zeros to a multiple of 16 (AMX tiles are 16 rows).
-static const c10::BFloat16* to_bf16_tile_rows(const float* x, int64_t M, int64_t K) {
-  thread_local std::vector<c10::BFloat16> buffer;
-  const int64_t n = M * K, padded = (M + 15) / 16 * 16 * K;
   buffer.resize(padded);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) store16(buffer.data() + i, load16(x + i));
   for (; i < n; ++i) buffer[i] = c10::BFloat16(x[i]);
   std::fill(buffer.begin() + n, buffer.begin() + padded, c10::BFloat16(0.0f));
   return buffer.data();
+}
+
+// out + bias + residual by ATen, for the forms the kernels do not read (see fp32_extras).
+static Tensor with_extras(Tensor out, const std::optional<Tensor>& bias, const std::optional<Tensor>& residual) {
+  if (bias.has_value()) out += *bias;
+  return residual.has_value() ? *residual + out : out;
 }
 
 // fp32 input, a bf16 weight packed for AMX tiles (pack_amx_weight: [N/16, K/32, 16, 32]): fp32 out, any row count.
@@ -179,15 +175,12 @@ static Tensor amx_weight_linear(const Tensor& input, const Tensor& packed, const
   TORCH_CHECK(input.dim() == 2 && input.is_cpu() && packed.is_contiguous(), "linear: AMX path takes a 2-d input");
   const int64_t M = input.size(0), K = packed.size(1) * packed.size(3), N = packed.size(0) * packed.size(2);
   TORCH_CHECK(input.size(1) == K, "linear: input has ", input.size(1), " features, weight expects ", K);
-  if (!fp32_extras(bias, residual, M, N)) {  // rare forms: the product here, the extras by ATen
-    Tensor out = amx_weight_linear(input, packed, std::nullopt, std::nullopt);
-    if (bias.has_value()) out += *bias;
-    return residual.has_value() ? *residual + out : out;
-  }
+  if (!fp32_extras(bias, residual, M, N))  // rare forms: the product here, the extras by ATen
+    return with_extras(amx_weight_linear(input, packed, std::nullopt, std::nullopt), bias, residual);
   Tensor y = at::empty({M, N}, input.options());
   if (M == 0) return y;
   const Tensor x = input.contiguous();
-  amx_linear(to_bf16_tile_rows(x.data_ptr<float>(), M, K), packed.data_ptr<c10::BFloat16>(),
+  amx_linear(to_bf16(x.data_ptr<float>(), M * K, (M + 15) / 16 * 16 * K), packed.data_ptr<c10::BFloat16>(),
              bias.has_value() ? bias->data_ptr<float>() : nullptr,
              residual.has_value() ? residual->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N);
   return y;
@@ -199,11 +192,7 @@ static Tensor bf16_weight_linear(const Tensor& input, const Tensor& weight, cons
   const int64_t M = input.dim() == 2 ? input.size(0) : -1, N = weight.size(0);
   const bool own = M > 0 && M <= std::max(kMaxGemvRows, bf16_tiled_rows_limit) && weight.is_contiguous() &&
                    weight.dim() == 2 && input.is_cpu() && weight.is_cpu() && fp32_extras(bias, residual, M, N);
-  if (!own) {
-    Tensor out = at::linear(input.to(at::kBFloat16), weight).to(at::kFloat);
-    if (bias.has_value()) out += *bias;
-    return residual.has_value() ? *residual + out : out;
-  }
+  if (!own) return with_extras(at::linear(input.to(at::kBFloat16), weight).to(at::kFloat), bias, residual);
   const Tensor x = input.contiguous();
   const int64_t K = x.size(1);
   TORCH_CHECK(weight.size(1) == K, "linear: input has ", K, " features, weight expects ", weight.size(1));
@@ -214,7 +203,7 @@ static Tensor bf16_weight_linear(const Tensor& input, const Tensor& weight, cons
   const c10::BFloat16* wp = weight.data_ptr<c10::BFloat16>();
   float* yp = y.data_ptr<float>();
   if (bf16_dot) {
-    bf16_dot_linear(to_bf16(xp, M * K), wp, b, r, yp, M, K, N);
+    bf16_dot_linear(to_bf16(xp, M * K, M * K), wp, b, r, yp, M, K, N);
     return y;
   }
   own_linear(xp, wp, b, r, yp, M, K, N);
@@ -233,10 +222,7 @@ Tensor small_batch_linear(const Tensor& input, const Tensor& weight, const std::
       input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && input.dim() == 2 &&
       input.size(0) <= std::max(kMaxGemvRows, tiled_rows_limit) && input.size(0) > 0 && weight.is_contiguous() &&
       input.is_cpu() && weight.is_cpu() && fp32_extras(bias, residual, input.size(0), weight.size(0));
-  if (!without_blas) {
-    Tensor out = at::linear(input, weight, bias);
-    return residual.has_value() ? *residual + out : out;
-  }
+  if (!without_blas) return with_extras(at::linear(input, weight, bias), std::nullopt, residual);
   const Tensor x = input.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "linear: input has ", K, " features, weight expects ", weight.size(1));

@@ -184,14 +184,14 @@ void column_group(const c10::BFloat16* x, const c10::BFloat16* packed, const flo
 
 void amx_linear(const c10::BFloat16* x, const c10::BFloat16* packed, const float* bias, const float* residual,
                 float* y, int64_t M, int64_t K, int64_t N) {
-  constexpr int64_t kGroup = 4;  // column blocks per task: 64 output columns
-  const int64_t blocks = N / kRows, groups = (blocks + kGroup - 1) / kGroup;
-  parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+  constexpr int64_t kGroup = 4;  // column blocks the kernels take at once: 64 output columns
+  // The range split over threads is the column blocks themselves, not groups of four: 576 columns are 9 groups,
+  // which two threads' chunks would share 6:3, but 36 blocks, which they share 18:18.
+  parallel_for(0, N / kRows, 1, [&](int64_t begin, int64_t end) {
     const TileConfig config;
     _tile_loadconfig(&config);
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t nb0 = g * kGroup, left = std::min(kGroup, blocks - nb0);
-      switch (left) {
+    for (int64_t nb0 = begin; nb0 < end; nb0 += kGroup) {
+      switch (std::min(kGroup, end - nb0)) {
         case 4: column_group<4>(x, packed, bias, residual, y, M, K, N, nb0); break;
         case 3: column_group<3>(x, packed, bias, residual, y, M, K, N, nb0); break;
         case 2: column_group<2>(x, packed, bias, residual, y, M, K, N, nb0); break;
