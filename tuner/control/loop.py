@@ -79,6 +79,7 @@ class Controller:
         self.source_down = False
         self.slo = SLO(tbt_p99=self.policy.slo.tbt_p99, ttft_p99=self.policy.slo.ttft_p99)
         self.pending_proposal: dict[str, Any] | None = None
+        self.engine_dtype: str | None = None  # fixed for an engine's life: asked once, at the first retune
 
     # ---------------------------------------------------------------------------------------------- running
     def run(self, stop: Callable[[], bool] = lambda: False, proposal: dict[str, Any] | None = None) -> None:
@@ -225,6 +226,12 @@ class Controller:
         self.metrics.decided(outcome)
         self.say(f"slotune control: decision {did}: {outcome} ({trigger.kind}): {reason}")
 
+    def dtype(self) -> str | None:
+        """The engine's dtype (its step-time profile's), from /health the first time it answers."""
+        if self.engine_dtype is None:
+            self.engine_dtype = (self.engine.health() or {}).get("dtype")
+        return self.engine_dtype
+
     def study_knobs(self) -> list[dict[str, Any]]:
         """The best feasible configs of every study in the shared storage (a warm start for the screen)."""
         if not self.storage:
@@ -257,12 +264,13 @@ class Controller:
             recent_steps = [s for s in steps if s["config_generation"] == generation and s["start_time"] >= horizon]
             shape = self.recent_shape() or self.shape_between(before.start, before.end)
             if shape is None:  # the counters reset under us (an engine restart): judge again on fresh windows
+                self.engine_dtype = None  # and ask the restarted engine its dtype
                 return
             try:
                 found = search(self.policy, current, resolved, shape, recent_steps, self.study_knobs(),
                                target=self.policy.control.triggers.attainment_target, profile=self.profile,
                                seed=self.state.next_id, backlog=queued(self.history[-1]), admin_config=payload,
-                               dtype=(self.engine.health() or {}).get("dtype"))
+                               dtype=self.dtype())
             except Exception as error:  # a retune that fails is a decision not to move; the controller keeps watching
                 self.decide("no_move", trigger, f"the retune failed: {type(error).__name__}: {error}",
                             before=before.as_dict(), shape=shape.as_dict())
