@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from engine.cpu_info import cpu_name
 from loadtest.records import RequestRecord, read_records
 from loadtest.summary import SLO, attains
 from tuner.trials.engine_handle import ManagedEngine
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"arm {arm.name} ...", file=sys.stderr, flush=True)
         results.append(run_arm(arm, args, out / arm.name, slo))
-    report = {"cpu": _cpu_name(), "machine": platform.machine(), "args": vars(args), "slo": slo.as_dict(),
+    report = {"cpu": cpu_name(), "machine": platform.machine(), "args": vars(args), "slo": slo.as_dict(),
               "policy": POLICY, "wall_s": time.time() - started, "arms": results, **analyse(results, out, args, slo)}
     (out / "controller_shift.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     png = plot(results, out, args)
@@ -220,13 +221,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{v['best_static_goodput_rps']:.3f} req/s (x{v['goodput_ratio'] or float('nan'):.2f})")
     print(f"{out / 'controller_shift.json'}" + (f", {png}" if png else "") + f" ({report['wall_s'] / 60:.1f} min)")
     return 0
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

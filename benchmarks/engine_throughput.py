@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.cpu_info import cpu_name
+
 # Lengths per class: (prompt_min, prompt_max, output_min, output_max), before `--length-scale`.
 CLASSES: dict[str, tuple[int, int, int, int]] = {
     "short": (16, 64, 16, 64),
@@ -181,14 +183,6 @@ def measure_bandwidth(torch: Any, gib: float, passes: int) -> dict[str, Any]:
     return {"tensor_bytes": nbytes, "passes": passes, "best_s": best, "median_s": median(times),
             "bytes_per_s": nbytes / best, "gb_per_s": nbytes / best / 1e9,
             "median_gb_per_s": nbytes / median(times) / 1e9}
-
-
-def cpu_name() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 def threads_seen_by_new_thread(torch: Any) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import subprocess
 import sys
@@ -29,18 +28,10 @@ from typing import Any
 
 import yaml
 
+from engine.cpu_info import cpu_name
+
 REPO = Path(__file__).resolve().parent.parent
 INDEPENDENT_SEED = 987654  # never an arrival seed of a study (those are draw * 1000 + window, draws < 200)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def run_tune(folder: Path, extra: list[str]) -> dict[str, Any]:

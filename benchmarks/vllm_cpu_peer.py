@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -202,13 +201,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def cpu_description() -> dict[str, Any]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return {"name": platform.processor(), "flags": []}
-    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-    return {"name": name, "flags": sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2", "fma")))}
+    """The CPU's name and the flags that decide the kernels' speed (vector widths, bf16, AMX)."""
+    from engine.cpu_info import cpu_flags, cpu_name
+
+    return {"name": cpu_name(),
+            "flags": sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx2", "fma")))}
 
 
 def engine_batch1(llm: Any, prompt: list[int], n: int, repeats: int) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from engine import fused_layers
+from engine.cpu_info import CPUINFO, cpu_flags
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo's names
@@ -26,13 +27,9 @@ class DtypeChoice:
         return DTYPES[self.name]
 
 
-def cpu_bf16_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
+def cpu_bf16_flags(cpuinfo: Path = CPUINFO) -> list[str]:
     """Which of BF16_CPU_FLAGS this CPU has (none where /proc/cpuinfo cannot be read)."""
-    try:
-        lines = cpuinfo.read_text().splitlines()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    flags = cpu_flags(cpuinfo)
     return [flag for flag in BF16_CPU_FLAGS if flag in flags]
 
 

@@ -11,6 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams, fused_layers
 from engine.attention import AttentionMetadata, PrefillChunk
+from engine.cpu_info import cpu_flags, cpu_name
 from engine.precision import choose_dtype, cpu_bf16_flags
 from tests.conftest import INDEPENDENT_PROMPTS, REFERENCE_MAX_TOKENS
 from tests.test_fused_layers import decode_only, mixed
@@ -237,5 +238,9 @@ def test_dtype_auto_chooses_by_cpu_flags_and_kernel_speed(tmp_path: Path, capfd)
     assert cpu_bf16_flags(cpuinfo) == ["avx512_bf16", "amx_bf16"]
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f\n")
     assert cpu_bf16_flags(cpuinfo) == []
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Some CPU @ 2.60GHz\nflags\t\t: fpu\nprocessor\t: 1\n"
+                       "model name\t: Another\n")
+    assert cpu_name(cpuinfo) == "Some CPU @ 2.60GHz" and cpu_flags(cpuinfo) == ["fpu"]  # the first core's
+    assert cpu_flags(tmp_path / "missing") == [] and cpu_name(tmp_path / "missing")
     llm = LLM(dtype="auto", max_num_seqs=2, max_num_batched_tokens=32)
     assert llm.engine.dtype_choice == choice and f"slotune: {choice.reason}" in capfd.readouterr().err
