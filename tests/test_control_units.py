@@ -452,6 +452,23 @@ def test_the_inherited_queue_s_waits_do_not_roll_a_canary_back() -> None:
     assert judge(kept_up, first, 4, spec, fresh=None).action == "rollback"
 
 
+def test_a_config_that_fell_behind_is_judged_over_its_arrivals_not_only_the_requests_it_finished() -> None:
+    spec = Canary(min_requests=20, min_window=15, max_window=60, rollback_drop=0.15)
+    # the window before a shift's first canary: 14 of 16 finished requests attained (mostly the traffic from before
+    # the shift), but 30 arrived: its queue grew by 14, and those had not attained
+    behind = stats(14, 16, arrived=30, seconds=28.0)
+    # the canary's first own arrivals, after the inherited queue: 1 of 6 attained. Against 14/16 that would be a
+    # broken SLO; against 14/30 it is not beyond the rollback rule's noise: the canary goes on
+    canary, own = stats(1, 11, arrived=20, seconds=17.0), stats(1, 6, seconds=8.0)
+    assert judge(behind, canary, 17, spec, fresh=own).action == "continue"
+    # a config before that kept up (14 of 16, 17 arrived) is judged on what it finished: the same canary is broken
+    broken = judge(stats(14, 16, arrived=17, seconds=28.0), canary, 17, spec, fresh=own)
+    assert broken.action == "rollback" and "its own arrivals" in broken.reason
+    # later, 17 of its 22 own arrivals attained: better than 14/30 beyond the noise, kept
+    kept = judge(behind, stats(20, 40, arrived=40, seconds=40.0), 40, spec, fresh=stats(17, 22, seconds=25.0))
+    assert kept.action == "keep" and "22 requests that arrived under the canary" in kept.reason
+
+
 def test_a_rate_shift_long_after_the_start_is_drift_even_at_a_rate_too_low_for_one_window(tmp_path: Path) -> None:
     """At 0.4 req/s one 30 s drift window holds 12 requests, fewer than the 20 the trigger needs: the reference
     grows until it holds them and is kept after its scrapes leave the controller's history; the rate quadrupling

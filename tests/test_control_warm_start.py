@@ -139,3 +139,41 @@ def test_behind_a_deep_queue_the_retune_moves_to_the_config_that_drains_it() -> 
     assert found.candidate is not None, found.reason
     assert found.candidate.throughput > found.current.throughput
     assert found.candidate.knobs["max_num_seqs"] > 2 and "behind a queue of 48" in found.reason
+
+
+def test_on_a_slow_machine_behind_a_queue_the_retune_still_moves_to_the_config_that_drains_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the engine's steps measured at 2.4x the shipped profile (a slow CPU shared with the load generator): behind
+    # 25 long requests, the window's own arrivals do not even start within the simulated window, and a long
+    # request takes longer than a short drain; the retune must still see which config serves more
+    import dataclasses
+
+    import tuner.control.candidates as candidates
+    from tuner.search.screening import load_profile
+
+    base = load_profile(None, "bfloat16")
+    slow = dataclasses.replace(base, coef={k: v * 2.4 for k, v in base.coef.items()})
+    monkeypatch.setattr(candidates, "refitted_model", lambda *args, **kwargs: slow)
+    policy = parse_policy({**DEFAULT, "slo": {"tbt_p99": "250ms", "ttft_p99": "3s"},
+                           "guardrails": {"default_max_change": 4},
+                           "retune": {"candidates": 16, "sim_duration": "20s", "headroom": 1.25}})
+    current = {"max_num_seqs": 2, "max_num_batched_tokens": 64, "chunk_size": 32, "block_size": 16}
+    shape = Shape(28.0, 29, tuple([16.0] * 20), tuple([160.0] * 20), math.nan)
+    found = search(policy, dict(current), dict(current), shape, [], [], target=0.9, seed=1, backlog=25,
+                   dtype="bfloat16")
+    assert found.candidate is not None, found.reason
+    assert found.candidate.knobs["max_num_seqs"] > 2
+    assert found.candidate.throughput > found.current.throughput > 0
+    # the simulated drain leaves time for the longest live output (240 tokens) to finish within the SLO
+    assert found.workload["drain_s"] == pytest.approx(3.0 + 1.5 * 0.25 * 240)
+
+
+def test_the_simulated_drain_lasts_as_long_as_an_attaining_request_could() -> None:
+    from loadtest.summary import SLO
+    from tuner.control.candidates import judging_drain
+
+    assert judging_drain(SLO(tbt_p99=0.1, ttft_p99=2.0), 200) == pytest.approx(2.0 + 1.5 * 0.1 * 200)
+    assert judging_drain(SLO(tbt_p99=0.1, ttft_p99=2.0, e2e_p99=25.0), 200) == 25.0  # the e2e target bounds it
+    assert judging_drain(SLO(tbt_p99=0.05), 100) == pytest.approx(120.0 + 7.5)  # no TTFT target: the timeout's
+    assert judging_drain(SLO(tbt_p99=0.01, ttft_p99=1.0), 10) == 10.0  # never shorter than the load test's
+    assert judging_drain(SLO(tbt_p99=1.0), 10_000) == 300.0  # nor unbounded

@@ -7,7 +7,9 @@ cannot show better attainment in its window: its own arrivals wait behind the in
 served. It is judged by what it does to that queue instead: kept when it finishes requests faster than the config
 before did (both backlogged, so a finishing rate is the config's service rate; a Poisson rate-ratio interval
 above 1) while the queue shrinks; and the rollback rule waits for its own arrivals (the inherited requests' waits
-are the config before's doing)."""
+are the config before's doing). Such a config before is also judged over the requests that arrived in its window,
+not only those that finished: the ones its queue grew by had not attained, and its finished ones alone (often
+still the traffic from before a shift) would make any canary look worse."""
 
 from __future__ import annotations
 
@@ -25,6 +27,12 @@ MIN_QUEUE_GROWTH = 3  # requests: a window before whose queue grew by fewer than
 def fell_behind(before: WindowStats) -> bool:
     """The config before did not keep up: its queue grew over its window."""
     return before.arrived - before.finished >= max(MIN_QUEUE_GROWTH, 0.1 * before.finished)
+
+
+def baseline(before: WindowStats) -> tuple[int, int]:
+    """The config before's attaining requests and the number they are a share of: those that finished, or, when it
+    fell behind, those that arrived."""
+    return before.attaining, max(before.finished, before.arrived) if fell_behind(before) else before.finished
 
 
 def drains(before: WindowStats, canary: WindowStats) -> Interval | None:
@@ -50,7 +58,7 @@ def judge(before: WindowStats, canary: WindowStats, elapsed: float, spec: Canary
     """``canary``: everything that finished since the canary started (the rollback rule judges it). ``fresh``: the
     requests that finished after those queued at the start had finished (FCFS: the canary's own arrivals), which a
     keep is judged on; True: the same as ``canary``; None/False: that queue has not drained yet (no keep)."""
-    diff = proportion_difference_interval(canary.attaining, canary.finished, before.attaining, before.finished)
+    diff = proportion_difference_interval(canary.attaining, canary.finished, *baseline(before))
     shown = diff.format(scale=100, unit=" pp")
     own = canary if fresh is True else fresh if isinstance(fresh, WindowStats) else None
     # the rollback rule judges the canary's own arrivals once the inherited queue has drained; before that, all
@@ -58,13 +66,13 @@ def judge(before: WindowStats, canary: WindowStats, elapsed: float, spec: Canary
     # they would roll back any canary at once
     judged = own if own is not None else None if fell_behind(before) else canary
     if judged is not None and judged.finished >= MIN_FOR_ROLLBACK:
-        drop = proportion_difference_interval(judged.attaining, judged.finished, before.attaining, before.finished)
+        drop = proportion_difference_interval(judged.attaining, judged.finished, *baseline(before))
         if drop.high < -spec.rollback_drop:
             return CanaryVerdict("rollback", f"the SLO broke: attainment fell by {drop.format(scale=100, unit=' pp')}"
                                              f", more than canary.rollback_drop ({spec.rollback_drop:.0%}) beyond the "
                                              f"noise" + ("" if judged is canary else " (its own arrivals)"), drop)
     if own is not None and elapsed >= spec.min_window and own.finished >= spec.min_requests:
-        own_diff = proportion_difference_interval(own.attaining, own.finished, before.attaining, before.finished)
+        own_diff = proportion_difference_interval(own.attaining, own.finished, *baseline(before))
         if own_diff.low > 0:
             return CanaryVerdict("keep", f"better beyond the noise: attainment +{own_diff.format(scale=100, unit=' pp')}"
                                          f" over {own.finished} requests"

@@ -22,6 +22,9 @@ from tuner.trials.trial_runner import TrialOutcome
 LENGTH_SPREAD = 0.5  # without length histograms: lengths uniform within +-50 % of the live means
 WEIGHT_UNITS = 100  # the rebuilt mix's weights add up to about this
 MIN_GAIN = 0.05  # a candidate must beat the applied config's predicted goodput by this much (or its attainment)
+GAP_ALLOWANCE = 1.5  # a request's own p99 gap lets its largest gaps exceed the TBT target: room for them
+MIN_DRAIN_S = 10.0  # the simulated drain's floor and ceiling (seconds after the window's last arrival)
+MAX_DRAIN_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -41,10 +44,16 @@ class Prediction:
 
     @property
     def throughput(self) -> float:
-        """Requests of the window finished per second, attaining or not: behind a deep queue no config attains in
-        a short simulated window, and the one that finishes more drains the queue sooner."""
-        v = self.summary.get("throughput_rps")
+        """Requests finished within the window per second, attaining or not, the queue's included (the
+        simulated trial's ``served_rps``): behind a deep queue no config attains in a short simulated window and the
+        window's own arrivals may not even start, and the one that finishes more drains the queue sooner."""
+        v = self.summary.get("served_rps", self.summary.get("throughput_rps"))
         return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else 0.0
+
+    @property
+    def ttft_p99(self) -> float:
+        v = self.summary.get("ttft_p99")
+        return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else math.inf
 
     def as_dict(self) -> dict[str, Any]:
         return {"knobs": self.knobs, **{k: self.summary.get(k) for k in COMPARED}}
@@ -90,6 +99,30 @@ def live_workload(shape: Shape) -> WorkloadSpec:
                         mix_weights="1")
 
 
+def longest_output(shape: Shape) -> float:
+    """The longest output the rebuilt workload (:func:`live_workload`) can draw."""
+    outputs = length_ranges(shape.output_lengths)
+    if outputs:
+        return float(max(high for _, high, _ in outputs))
+    mean = shape.mean_output
+    return max(1.0, mean if math.isfinite(mean) else 1.0) * (1 + LENGTH_SPREAD)
+
+
+def judging_drain(slo: SLO, longest_output: float, request_timeout: float = 120.0) -> float:
+    """How long the simulation lets the window's requests finish after its last arrival: as long as the longest
+    output could take and still meet the SLO (its e2e target, else its TTFT target, or the client's timeout
+    without one, and then the TBT target per token), so that a request left unfinished could not have attained.
+    A fixed short drain fails every long request on a slow machine and no config could look feasible."""
+    if slo.e2e_p99 is not None:
+        bound = slo.e2e_p99
+    elif slo.tbt_p99 is not None:
+        ttft = slo.ttft_p99 if slo.ttft_p99 is not None else request_timeout
+        bound = ttft + GAP_ALLOWANCE * slo.tbt_p99 * longest_output
+    else:
+        bound = request_timeout
+    return min(MAX_DRAIN_S, max(MIN_DRAIN_S, bound))
+
+
 def length_ranges(lengths: Lengths) -> list[tuple[int, int, float]]:
     """(lowest, highest length, requests) of each bucket a histogram's window filled. A bucket spans from above the
     previous bound to its own; the last (+Inf) one from above the highest bound to twice it."""
@@ -114,8 +147,11 @@ def refitted_model(steps: list[dict[str, Any]], block_size: int, profile: str | 
     return model.rescaled(tagged, block_size) or model
 
 
-def _ranked(p: Prediction, target: float) -> tuple[bool, float, float, float]:
-    return (p.attainment >= target, p.goodput, p.throughput, p.attainment)
+def _ranked(p: Prediction, target: float) -> tuple[bool, float, float, float, float]:
+    # last, of configs that all serve the simulated load: the lowest p99 TTFT, the one with the most room to spare
+    # (the step-time model is refitted on the applied config's steps: a config only just predicted to keep up
+    # often does not)
+    return (p.attainment >= target, p.goodput, p.throughput, p.attainment, -p.ttft_p99)
 
 
 def search(policy: Policy, current: dict[str, Any], resolved: dict[str, Any], shape: Shape,
@@ -134,10 +170,11 @@ def search(policy: Policy, current: dict[str, Any], resolved: dict[str, Any], sh
     workload = live_workload(shape)
     rate = max(0.05, shape.arrival_rate * retune.headroom)
     slo = SLO(tbt_p99=policy.slo.tbt_p99, ttft_p99=policy.slo.ttft_p99, e2e_p99=policy.slo.e2e_p99)
+    drain = judging_drain(slo, longest_output(shape))
     sim = SimTrialRunner(model, limits=limits_of(model, admin_config), workload=workload, rate=rate,
                          duration=retune.sim_duration, warmup=3.0, slo=slo, seed=seed, base_knobs=dict(current),
-                         backlog=backlog)
-    info = {"workload": {**workload.as_dict(), "rate": round(rate, 4), "backlog": backlog},
+                         backlog=backlog, drain_timeout=drain)
+    info = {"workload": {**workload.as_dict(), "rate": round(rate, 4), "backlog": backlog, "drain_s": drain},
             "model": {"rescaled": model.meta.get("rescaled"), "steps": len(steps)}}
 
     def predict(knobs: dict[str, Any]) -> Prediction:

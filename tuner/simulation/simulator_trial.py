@@ -71,6 +71,12 @@ class SimTrialRunner:
         return load_config_for(self.workload, self.slo, rate, self.warmup + self.duration,
                                self.seed if seed is None else seed, self.drain_timeout)
 
+    def served(self, result: SimResult) -> float:
+        """Requests of any arrival, a backlog's included, that finished within the window, per second: behind a
+        queue, the config's service rate (the window's own arrivals may not even have started)."""
+        start, end = result.t0 + self.warmup, result.t0 + self.warmup + self.duration
+        return sum(r.status == "ok" and start <= r.finish_time < end for r in result.records) / self.duration
+
     def run(self, knobs: dict[str, Any], out_dir: Path | None = None, rate: float | None = None,
             seed: int | None = None) -> TrialOutcome:
         """Simulate one trial on arrival draw ``seed`` (default: the runner's); with ``out_dir`` also write its trial
@@ -86,6 +92,7 @@ class SimTrialRunner:
                                 reason=f"rejected by the engine: {error}", out_dir=out_dir, simulated=True, rate=rate)
         t0 = result.t0
         steps = window_steps(result.step_dicts(), t0 + self.warmup)  # as the engine's: the drain's steps too
+        summary["served_rps"] = self.served(result)
         reason = feasibility(summary, self.slo)
         outcome = TrialOutcome(knobs=full, summary=summary, step_stats=step_stats(steps), feasible=reason is None,
                                reason=reason, out_dir=out_dir, simulated=True, rate=rate)
