@@ -6,6 +6,7 @@ without an exception."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -17,14 +18,16 @@ import yaml
 from optuna.distributions import IntDistribution
 from optuna.trial import TrialState, create_trial
 
+from loadtest.summary import SLO
 from policies import parse_policy
 from tests.test_tuner_study import CheapRunner, goodput_policy
-from tuner.control.candidates import search
+from tuner.control.candidates import judging_drain, search
 from tuner.control.decision_log import DecisionLog
 from tuner.control.loop import Controller
 from tuner.control.shape import Shape
 from tuner.control.warm_start import best_knobs
 from tuner.search.objective import CONSTRAINTS_ATTR
+from tuner.search.screening import load_profile
 from tuner.search.study import best_trial, enqueue_default, open_storage, open_study, run_trials
 
 DEFAULT = yaml.safe_load(Path("policies/default.yaml").read_text())
@@ -146,10 +149,7 @@ def test_on_a_slow_machine_behind_a_queue_the_retune_still_moves_to_the_config_t
     # the engine's steps measured at 2.4x the shipped profile (a slow CPU shared with the load generator): behind
     # 25 long requests, the window's own arrivals do not even start within the simulated window, and a long
     # request takes longer than a short drain; the retune must still see which config serves more
-    import dataclasses
-
     import tuner.control.candidates as candidates
-    from tuner.search.screening import load_profile
 
     base = load_profile(None, "bfloat16")
     slow = dataclasses.replace(base, coef={k: v * 2.4 for k, v in base.coef.items()})
@@ -169,9 +169,6 @@ def test_on_a_slow_machine_behind_a_queue_the_retune_still_moves_to_the_config_t
 
 
 def test_the_simulated_drain_lasts_as_long_as_an_attaining_request_could() -> None:
-    from loadtest.summary import SLO
-    from tuner.control.candidates import judging_drain
-
     assert judging_drain(SLO(tbt_p99=0.1, ttft_p99=2.0), 200) == pytest.approx(2.0 + 1.5 * 0.1 * 200)
     assert judging_drain(SLO(tbt_p99=0.1, ttft_p99=2.0, e2e_p99=25.0), 200) == 25.0  # the e2e target bounds it
     assert judging_drain(SLO(tbt_p99=0.05), 100) == pytest.approx(120.0 + 7.5)  # no TTFT target: the timeout's

@@ -32,7 +32,7 @@ def fell_behind(before: WindowStats) -> bool:
 def baseline(before: WindowStats) -> tuple[int, int]:
     """The config before's attaining requests and the number they are a share of: those that finished, or, when it
     fell behind, those that arrived."""
-    return before.attaining, max(before.finished, before.arrived) if fell_behind(before) else before.finished
+    return before.attaining, before.arrived if fell_behind(before) else before.finished
 
 
 def drains(before: WindowStats, canary: WindowStats) -> Interval | None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtest.config import LoadConfig
 from loadtest.summary import SLO
 from policies import Policy, WorkloadSpec
 from tuner.control.guardrails import changed, move_policy, project, within
@@ -32,28 +33,29 @@ class Prediction:
     knobs: dict[str, Any]
     summary: dict[str, Any]
 
+    def figure(self, key: str, missing: float = 0.0) -> float:
+        """The summary's ``key`` as a float (``missing`` when absent or not finite: a rejected config's is empty)."""
+        v = self.summary.get(key)
+        return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else missing
+
     @property
     def attainment(self) -> float:
-        v = self.summary.get("attainment")
-        return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else 0.0
+        return self.figure("attainment")
 
     @property
     def goodput(self) -> float:
-        v = self.summary.get("goodput_rps")
-        return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else 0.0
+        return self.figure("goodput_rps")
 
     @property
     def throughput(self) -> float:
         """Requests finished within the window per second, attaining or not, the queue's included (the
         simulated trial's ``served_rps``): behind a deep queue no config attains in a short simulated window and the
         window's own arrivals may not even start, and the one that finishes more drains the queue sooner."""
-        v = self.summary.get("served_rps", self.summary.get("throughput_rps"))
-        return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else 0.0
+        return self.figure("served_rps")
 
     @property
     def ttft_p99(self) -> float:
-        v = self.summary.get("ttft_p99")
-        return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else math.inf
+        return self.figure("ttft_p99", math.inf)
 
     def as_dict(self) -> dict[str, Any]:
         return {"knobs": self.knobs, **{k: self.summary.get(k) for k in COMPARED}}
@@ -108,7 +110,7 @@ def longest_output(shape: Shape) -> float:
     return max(1.0, mean if math.isfinite(mean) else 1.0) * (1 + LENGTH_SPREAD)
 
 
-def judging_drain(slo: SLO, longest_output: float, request_timeout: float = 120.0) -> float:
+def judging_drain(slo: SLO, longest_output: float, request_timeout: float = LoadConfig.request_timeout) -> float:
     """How long the simulation lets the window's requests finish after its last arrival: as long as the longest
     output could take and still meet the SLO (its e2e target, else its TTFT target, or the client's timeout
     without one, and then the TBT target per token), so that a request left unfinished could not have attained.
