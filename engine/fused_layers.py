@@ -218,24 +218,34 @@ def _median_times(linears: list[Any], weights: list[list[torch.Tensor]], m: int,
     return [statistics.median(t) for t in times]
 
 
-def measure_tiled_rows_limit(module: Any, rows: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512),
-                             weight_bytes: int = 64 << 20, bf16: bool = False) -> tuple[int, dict[str, list[float]]]:
-    """The largest row count of ``rows`` at which the tiles are faster than at::linear (for
-    bf16 weights: at::linear in bf16, what ``linear`` runs above its limit), over weights of a decoder's shapes
-    larger than the last-level cache (6 = tiles never)."""
+BF16_MEASURED_ROWS = (2, 3, 4, 5, 6, 8, 12, 16, 32, 64, 128, 256, 512)
+FP32_MEASURED_ROWS = (8, 16, 32, 64, 128, 256, 512)
+
+
+def measure_tiled_rows_limit(module: Any, rows: tuple[int, ...] | None = None, weight_bytes: int = 64 << 20,
+                             bf16: bool = False) -> tuple[int, dict[str, list[float]]]:
+    """Up to which row count the engine's own kernels are faster than at::linear (for bf16 weights: at::linear in
+    bf16, what ``linear`` runs above its limit), over weights of a decoder's shapes larger than the last-level
+    cache: the row counts of ``rows`` in increasing order until the first at which the library wins. The first loss
+    ends the range (a later, noisy win does not reopen it). The floor is where the kernels' range starts without a
+    measurement: 6 rows for fp32 (its streaming kernel), 1 row for bf16 (every bf16 row count from 2 is measured:
+    on some CPUs oneDNN's bf16 kernels win from a few rows)."""
+    rows = rows or (BF16_MEASURED_ROWS if bf16 else FP32_MEASURED_ROWS)
     weights = _decoder_weights(weight_bytes, torch.bfloat16 if bf16 else torch.float32)
 
     def library(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x.to(w.dtype), w).float()
 
-    limit, timings, previous = 6, {}, module.get_tiled_rows_limit(bf16)
+    limit, timings, previous = (1 if bf16 else 6), {}, module.get_tiled_rows_limit(bf16)
     module.set_tiled_rows_limit(max(rows), bf16)
     try:
-        for m in rows:  # all of them: one pass slowed by load from elsewhere must not end the search
-            tiled, blas = _median_times([lambda x, w: module.linear(x, w, None, None), library], [weights, weights], m)
-            timings[str(m)] = [tiled, blas]
-            if tiled <= blas:
-                limit = m
+        for m in sorted(rows):
+            own, blas = _median_times([lambda x, w: module.linear(x, w, None, None), library], [weights, weights], m,
+                                      repeats=7)
+            timings[str(m)] = [own, blas]
+            if own > blas:
+                break
+            limit = m
     finally:
         module.set_tiled_rows_limit(previous, bf16)
     return limit, timings

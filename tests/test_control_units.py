@@ -429,8 +429,14 @@ def test_a_canary_that_drains_the_queue_a_config_that_fell_behind_left_is_kept()
     drain = stats(4, 40, arrived=28, seconds=40.0)
     kept = judge(before, drain, 40, spec, fresh=None)
     assert kept.action == "keep" and "drains the queue" in kept.reason and "12 shorter" in kept.reason
-    # as fast, but the queue still grows under it: not kept (and rolled back at the end of the window)
-    assert judge(before, stats(4, 40, arrived=50, seconds=40.0), 40, spec, fresh=None).action == "continue"
+    # as fast, but the queue still grows under it: not kept before the end of the window ...
+    growing = stats(4, 40, arrived=50, seconds=40.0)
+    assert judge(before, growing, 40, spec, fresh=None).action == "continue"
+    # ... and kept at its end, where rolling back would restore the config that finished a third as many
+    at_end = judge(before, stats(6, 60, arrived=75, seconds=60.0), 61, spec, fresh=None)
+    assert at_end.action == "keep" and "serves faster" in at_end.reason and "did not shrink" in at_end.reason
+    # no faster beyond the noise at the window's end: rolled back, as any canary that showed nothing
+    assert judge(before, stats(2, 24, arrived=40, seconds=60.0), 61, spec, fresh=None).action == "rollback"
     # finishing no faster beyond the noise than the config before: not kept
     assert judge(before, stats(2, 15, arrived=10, seconds=40.0), 40, spec, fresh=None).action == "continue"
     # a config before that kept up: attainment decides, as before

@@ -173,8 +173,34 @@ def test_the_tiled_limit_is_measured_once_per_machine_and_can_be_overridden(
     monkeypatch.setenv(fused_layers.BF16_TILED_ROWS_ENV, "8")
     assert fused_layers.tiled_rows_limit(kernels, tmp_path) == 6
     assert fused_layers.tiled_rows_limit(kernels, tmp_path, bf16=True) == 8
-    limit, timings = fused_layers.measure_tiled_rows_limit(kernels, rows=(8,), weight_bytes=2 << 20, bf16=True)
-    assert limit in (6, 8) and set(timings) == {"8"} and kernels.get_tiled_rows_limit(True) == before_bf16
+    limit, timings = fused_layers.measure_tiled_rows_limit(kernels, rows=(2, 8), weight_bytes=2 << 20, bf16=True)
+    assert limit in (1, 2, 8) and set(timings) == ({"2"} if limit == 1 else {"2", "8"})
+    assert kernels.get_tiled_rows_limit(True) == before_bf16
+
+
+def test_the_first_row_count_the_library_wins_ends_the_kernels_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later win (noise, or a kernel that catches up) does not reopen the range: rows between would run the
+    slower kernel."""
+    wins = {2: True, 3: True, 4: False, 8: True}
+    monkeypatch.setattr(fused_layers, "_decoder_weights", lambda *_: [])
+    monkeypatch.setattr(fused_layers, "_median_times",
+                        lambda linears, weights, m, repeats: [1.0, 2.0] if wins[m] else [2.0, 1.0])
+
+    class Module:
+        limit = 99
+
+        def get_tiled_rows_limit(self, bf16: bool) -> int:
+            return self.limit
+
+        def set_tiled_rows_limit(self, rows: int, bf16: bool) -> None:
+            self.limit = rows
+
+    module = Module()
+    limit, timings = fused_layers.measure_tiled_rows_limit(module, rows=(8, 2, 4, 3), bf16=True)
+    assert limit == 3 and set(timings) == {"2", "3", "4"} and module.limit == 99
+    wins[2] = False
+    assert fused_layers.measure_tiled_rows_limit(module, rows=(2, 3), bf16=True)[0] == 1  # bf16's floor: one row
+    assert fused_layers.measure_tiled_rows_limit(module, rows=(2, 3), bf16=False)[0] == 6  # fp32's: its gemv
 
 
 def test_kernels_called_from_several_threads_at_once_stay_correct(llm: LLM) -> None:

@@ -190,7 +190,7 @@ static Tensor amx_weight_linear(const Tensor& input, const Tensor& packed, const
 static Tensor bf16_weight_linear(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias,
                                  const std::optional<Tensor>& residual) {
   const int64_t M = input.dim() == 2 ? input.size(0) : -1, N = weight.size(0);
-  const bool own = M > 0 && M <= std::max(kMaxGemvRows, bf16_tiled_rows_limit) && weight.is_contiguous() &&
+  const bool own = M > 0 && M <= std::max<int64_t>(1, bf16_tiled_rows_limit) && weight.is_contiguous() &&
                    weight.dim() == 2 && input.is_cpu() && weight.is_cpu() && fp32_extras(bias, residual, M, N);
   if (!own) return with_extras(at::linear(input.to(at::kBFloat16), weight).to(at::kFloat), bias, residual);
   const Tensor x = input.contiguous();

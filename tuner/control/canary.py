@@ -6,7 +6,8 @@ A canary that inherits a queue the config before could not keep up with (that qu
 cannot show better attainment in its window: its own arrivals wait behind the inherited requests, first come first
 served. It is judged by what it does to that queue instead: kept when it finishes requests faster than the config
 before did (both backlogged, so a finishing rate is the config's service rate; a Poisson rate-ratio interval
-above 1) while the queue shrinks; and the rollback rule waits for its own arrivals (the inherited requests' waits
+above 1) while the queue shrinks, or, at the end of its window, faster beyond the noise even if the queue has not
+shrunk yet (rolling back would restore the slower config); and the rollback rule waits for its own arrivals (the inherited requests' waits
 are the config before's doing). Such a config before is also judged over the requests that arrived in its window,
 not only those that finished: the ones its queue grew by had not attained, and its finished ones alone (often
 still the traffic from before a shift) would make any canary look worse."""
@@ -35,12 +36,17 @@ def baseline(before: WindowStats) -> tuple[int, int]:
     return before.attaining, before.arrived if fell_behind(before) else before.finished
 
 
-def drains(before: WindowStats, canary: WindowStats) -> Interval | None:
-    """When the canary inherited the queue of a config that fell behind: the ratio of its finishing rate to the
-    config before's if the queue shrank under it (else None)."""
-    if not fell_behind(before) or canary.arrived >= canary.finished:
+def serves_faster(before: WindowStats, canary: WindowStats) -> Interval | None:
+    """When the canary inherited the queue of a config that fell behind (both backlogged, so a finishing rate is a
+    service rate): the ratio of its finishing rate to the config before's (else None)."""
+    if not fell_behind(before):
         return None
     return rate_ratio_interval(canary.finished, canary.seconds, before.finished, before.seconds)
+
+
+def drains(before: WindowStats, canary: WindowStats) -> Interval | None:
+    """The same ratio, only once the queue shrank under the canary (else None): a keep before the window's end."""
+    return serves_faster(before, canary) if canary.arrived < canary.finished else None
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,13 @@ def judge(before: WindowStats, canary: WindowStats, elapsed: float, spec: Canary
                                      f"{canary.finished - canary.arrived} shorter after {canary.finished} requests",
                              diff)
     if elapsed >= spec.max_window:
+        faster = serves_faster(before, canary) if own is None else None
+        if faster is not None and canary.finished >= spec.min_requests and faster.low > 1.0:
+            # rolling back would return to the slower config: keep the faster one, and let a later move catch up
+            return CanaryVerdict("keep", f"serves faster than the config before (it fell behind): finishes "
+                                         f"{faster.format('x', 1, 3)} its requests/s after {canary.finished} "
+                                         f"requests, though the queue did not shrink within canary.max_window "
+                                         f"({spec.max_window:g}s)", diff)
         why = "too few requests" if canary.finished < spec.min_requests else "no improvement beyond the noise"
         return CanaryVerdict("rollback", f"{why} within canary.max_window ({spec.max_window:g}s): attainment "
                                          f"difference {shown}, {canary.finished} requests", diff)
