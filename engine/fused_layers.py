@@ -44,6 +44,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -60,7 +61,8 @@ TILED_ROWS_ENV = "SLOTUNE_TILED_ROWS"  # overrides the measured limit of the til
 BF16_TILED_ROWS_ENV = "SLOTUNE_BF16_TILED_ROWS"  # the same for bf16 weights
 AMX_ENV = "SLOTUNE_AMX"  # "0": bf16 weights keep the plain layout (dot/widen tiles and oneDNN) on an AMX CPU too
 TORCH_BUILD_LOCK = "lock"  # torch.utils.cpp_extension's lock file in the build folder
-MEASUREMENTS_FILE = "machine_measurements.json"  # in the build folder: what load() measured on this machine
+MEASUREMENTS_FILE = "machine_measurements-2.json"  # in the build folder: what load() measured on this machine
+# (-2: the row limits measured in a thread of their own; a folder measured before keeps its old file unread)
 SOURCE_DIR = Path(__file__).with_name("csrc")  # headers (*.h) and translation units (*.cpp)
 
 
@@ -182,7 +184,7 @@ def bf16_kernel_name(module: Any) -> str:
 def tiled_rows_limit(module: Any, build_dir: Path, bf16: bool = False) -> int:
     """Up to how many input rows ``linear`` uses its own tiles rather than at::linear (BLAS; for bf16 weights
     oneDNN, which has AMX tiles where the CPU has them): $SLOTUNE_TILED_ROWS / $SLOTUNE_BF16_TILED_ROWS, else the
-    limit measured on this machine, once, and kept in the build folder (machine_measurements.json)."""
+    limit measured on this machine, once, and kept in the build folder (MEASUREMENTS_FILE)."""
     env = BF16_TILED_ROWS_ENV if bf16 else TILED_ROWS_ENV
     if os.environ.get(env):
         return int(os.environ[env])
@@ -202,9 +204,22 @@ def _decoder_weights(weight_bytes: int, dtype: torch.dtype) -> list[torch.Tensor
 
 def _median_times(linears: list[Any], weights: list[list[torch.Tensor]], m: int, repeats: int = 5) -> list[float]:
     """The median time of each (linear, weights) pair over `repeats` passes, the pairs alternating (so that load from
-    elsewhere on the machine falls on all of them alike). The median, not the best: torch's OpenMP-threaded kernels
-    lose much more than the work pool's when another process holds a core, and a best-of pass hides that (measured:
-    BENCHMARKS.md, "The kernels' design measurements")."""
+    elsewhere on the machine falls on all of them alike), timed in a thread of its own, as a served engine's steps
+    run (engine/engine_loop.py): there torch's OpenMP-threaded kernels (oneDNN, BLAS) ran 1.6-2x slower than in the
+    main thread, the work pool's kernels as fast. The median, not the best: torch's kernels lose much more than the
+    work pool's when another process holds a core, and a best-of pass hides that (measured: BENCHMARKS.md, "The
+    kernels' design measurements")."""
+    result: list[list[float]] = []
+    worker = threading.Thread(target=lambda: result.append(_median_times_here(linears, weights, m, repeats)),
+                              name="slotune-measure")
+    worker.start()
+    worker.join()
+    if not result:
+        raise RuntimeError("slotune: the kernel measurement failed (see the thread's traceback above)")
+    return result[0]
+
+
+def _median_times_here(linears: list[Any], weights: list[list[torch.Tensor]], m: int, repeats: int) -> list[float]:
     inputs = {in_features(w): torch.randn(m, in_features(w)) for ws in weights for w in ws}
     times: list[list[float]] = [[] for _ in linears]
     for linear, ws in zip(linears, weights, strict=True):  # warm-up (oneDNN builds its kernels on first use)
