@@ -44,6 +44,12 @@ def run_tune(folder: Path, extra: list[str]) -> dict[str, Any]:
     (folder / "tune.log").write_text(proc.stdout + proc.stderr)
     out: dict[str, Any] = {"rc": proc.returncode, "seconds": time.monotonic() - t0,
                            "last_line": (proc.stdout.strip().splitlines() or [""])[-1]}
+    return out | read_run(folder)
+
+
+def read_run(folder: Path) -> dict[str, Any]:
+    """What one run of the main command left in ``folder``: tuned.yaml's answer."""
+    out: dict[str, Any] = {}
     if (folder / "tuned.yaml").exists():
         doc = yaml.safe_load((folder / "tuned.yaml").read_text())
         out.update(tuned=doc.get("tuned"), default=doc.get("default"), slo=doc.get("slo"), workload=doc.get("workload"),
@@ -58,6 +64,7 @@ def loadtest(knobs: dict[str, Any], rate: float, slo: dict[str, float], workload
     study tuned for (tuned.yaml's)."""
     from tuner.trials.engine_handle import ManagedEngine
 
+    folder.mkdir(parents=True, exist_ok=True)
     engine = ManagedEngine(knobs=knobs, log_path=str(folder / "engine.log"))
     handle = engine.start()
     try:
@@ -78,9 +85,11 @@ def loadtest(knobs: dict[str, Any], rate: float, slo: dict[str, float], workload
         engine.stop()
 
 
-def reproducibility(out: Path, runs: int) -> dict[str, Any]:
+def reproducibility(out: Path, runs: int, rerun: bool = True) -> dict[str, Any]:
+    """``rerun`` False: the runs already in the output folder (their tune.log and tuned.yaml), and only the
+    independent load tests run again."""
     base = out.with_suffix("")
-    results = [run_tune(base / f"run-{i}", []) for i in range(runs)]
+    results = [run_tune(base / f"run-{i}", []) if rerun else saved_run(base / f"run-{i}") for i in range(runs)]
     checks: list[dict[str, Any]] = []
     for i, r in enumerate(results):
         tuned = r.get("tuned") or {}
@@ -96,6 +105,13 @@ def reproducibility(out: Path, runs: int) -> dict[str, Any]:
     verdicts = [r.get("verdict") for r in results]
     return {"runs": results, "independent_loadtests": checks, "intervals_overlap": overlap,
             "verdicts_agree": len({v is None for v in verdicts}) == 1}
+
+
+def saved_run(folder: Path) -> dict[str, Any]:
+    log = (folder / "tune.log").read_text() if (folder / "tune.log").exists() else ""
+    done = [line for line in log.splitlines() if line.startswith("tune: done in ")]
+    return {"rc": None, "seconds": None, "last_line": (log.strip().splitlines() or [""])[-1],
+            "done": done[-1] if done else None} | read_run(folder)
 
 
 def versus(out: Path, workload: str, trace: Path | None) -> dict[str, Any]:
@@ -116,15 +132,18 @@ def main() -> int:
     p.add_argument("--trace", type=Path, help="the Azure conversation trace (AzureLLMInferenceTrace_conv.csv)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--out", required=True)
+    p.add_argument("--independent-only", action="store_true",
+                   help="reproducibility: keep the runs in the output folder, run only the independent load tests")
     a = p.parse_args()
     out = Path(a.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = reproducibility(out, a.runs) if a.what == "reproducibility" else versus(out, a.workload, a.trace)
+    result = reproducibility(out, a.runs, rerun=not a.independent_only) if a.what == "reproducibility" \
+        else versus(out, a.workload, a.trace)
     result.update(cpu=cpu_name(), cores=__import__("os").cpu_count(), date=time.strftime("%Y-%m-%dT%H:%M:%S"))
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     runs = result.get("runs") or [result]
     for r in runs:
-        print(f"rc {r.get('rc')} in {r.get('seconds', 0):.0f}s: {r.get('last_line')}")
+        print(f"rc {r.get('rc')} in {r.get('seconds') or 0:.0f}s: {r.get('last_line')}")
         for row in r.get("confirmed") or []:
             print(f"  sim {row.get('predicted')} vs engine {row.get('measured')} req/s: {short(row.get('knobs'))}")
     for c in result.get("independent_loadtests", []):

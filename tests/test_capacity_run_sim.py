@@ -20,8 +20,11 @@ from tuner.simulation.step_time_model import StepTimeModel
 from tuner.search.study import enqueue_default, open_storage, open_study
 
 
-def run_on_the_simulator(tmp_path: Path, tbt: float, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+def run_on_the_simulator(tmp_path: Path, tbt: float, capsys: pytest.CaptureFixture[str],
+                         searches_budget: float | None = None) -> tuple[int, str, str]:
     policy = load_policy().replace(trials=3)
+    if searches_budget is not None:  # what the time budget leaves the searches besides the verdict's share
+        policy = policy.replace(time_budget=policy.verdict.budget + searches_budget)
     policy = policy.replace(slo=policy.slo.__class__(tbt_p99=tbt, ttft_p99=2.0))
     args = build_parser().parse_args(["--out", str(tmp_path / "out" / "tuned.yaml"), "--screen", "6"])
     storage = open_storage(f"sqlite:///{tmp_path}/study.db")
@@ -60,6 +63,16 @@ def test_the_capacity_flow_on_the_simulator_writes_capacities_intervals_and_a_ve
     assert confirmed and all(row["predicted"] is not None for row in confirmed)
     assert "&id" not in (tmp_path / "out" / "tuned.yaml").read_text()
     assert (tmp_path / "out" / "tuned.html").exists()
+
+
+def test_one_candidate_is_searched_even_when_the_default_s_search_spent_the_searches_budget(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A study of the default config alone cannot answer the question: the first screened candidate is searched
+    whatever the clock says; the budget stops the searches after it."""
+    rc, out, _ = run_on_the_simulator(tmp_path, 0.050, capsys, searches_budget=0.001)
+    assert rc == 0, out
+    assert re.search(r"\[2/3\] #1 seqs=", out) and "[3/3]" not in out, out
+    assert "no further configs searched" in out and "candidate 1" in out
 
 
 def test_an_slo_below_the_simulated_floor_stops_before_searching(

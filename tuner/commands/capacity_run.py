@@ -80,8 +80,14 @@ class CapacityRun:
         run_trials(self.study, self.runner, p, p.trials, self.s.trials_dir, on_trial=self.trial_line,
                    searcher=self.searcher, max_runs=1)  # the default config: enqueued first
         self.screen()
-        # the searches leave the verdict its budget: a search is not started unless the longest so far would end
-        # before that
+        if len(measured(self.study)) < 2:
+            # one screened candidate at least, whatever the clock says: a study of the default config alone cannot
+            # answer the question, and the default's search (often at low rates, in long windows) says little about
+            # how long a candidate's takes (started at its predicted capacity, its windows fill faster)
+            run_trials(self.study, self.runner, p, p.trials, self.s.trials_dir, on_trial=self.after_trial,
+                       searcher=self.searcher, max_runs=1)
+        # the further searches leave the verdict its budget: a search is not started unless the longest so far would
+        # end before that
         deadline = self.s.started + p.time_budget - p.verdict.budget
         run_trials(self.study, self.runner, p, p.trials, self.s.trials_dir, on_trial=self.after_trial,
                    searcher=self.searcher, deadline=deadline)
