@@ -29,6 +29,10 @@ from typing import Any
 import yaml
 
 from engine.cpu_info import cpu_name
+from loadtest.config import to_argv
+from loadtest.summary import SLO
+from policies import WorkloadSpec
+from tuner.trials.trial_backend import load_config_for
 
 REPO = Path(__file__).resolve().parent.parent
 INDEPENDENT_SEED = 987654  # never an arrival seed of a study (those are draw * 1000 + window, draws < 200)
@@ -68,14 +72,12 @@ def loadtest(knobs: dict[str, Any], rate: float, slo: dict[str, float], workload
     engine = ManagedEngine(knobs=knobs, log_path=str(folder / "engine.log"))
     handle = engine.start()
     try:
-        cmd = [sys.executable, "-m", "slotune.cli", "loadtest", "--url", handle.url, "--workload", "mixed",
-               "--length-scale", str(workload["length_scale"]), "--rate", f"{rate:.4g}", "--duration", "60s",
-               "--seed", str(INDEPENDENT_SEED), "--slo-p99-tbt", f"{slo['tbt_p99']}s", "--json", "--quiet",
-               "--out", str(folder)]
-        if workload.get("output_scale") is not None:
-            cmd += ["--output-scale", str(workload["output_scale"])]
-        if slo.get("ttft_p99"):
-            cmd += ["--slo-p99-ttft", f"{slo['ttft_p99']}s"]
+        # the trials' own mapping from the workload to a load test: the same lengths, scales and (for a trace) a
+        # segment of it that the independent seed draws
+        cfg = load_config_for(WorkloadSpec(**workload), SLO(**slo), rate, 60.0, INDEPENDENT_SEED,
+                              drain_timeout=60.0, out=str(folder))
+        cmd = [sys.executable, "-m", "slotune.cli", "loadtest", "--url", handle.url, "--json", "--quiet",
+               *to_argv(cfg)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         summary = json.loads((folder / "summary.json").read_text()) if (folder / "summary.json").exists() else {}
         return {"rc": proc.returncode, "rate": rate, "attainment": summary.get("attainment"),
@@ -90,21 +92,24 @@ def reproducibility(out: Path, runs: int, rerun: bool = True) -> dict[str, Any]:
     independent load tests run again."""
     base = out.with_suffix("")
     results = [run_tune(base / f"run-{i}", []) if rerun else saved_run(base / f"run-{i}") for i in range(runs)]
-    checks: list[dict[str, Any]] = []
-    for i, r in enumerate(results):
-        tuned = r.get("tuned") or {}
-        cap = (tuned.get("capacity_req_per_s") or {}).get("value")
-        if not cap or r.get("verdict") is None:
-            continue
-        folder = base / f"run-{i}" / "independent"
-        checks.append({"run": i, "tuned": loadtest(tuned["knobs"], cap, r["slo"], r["workload"], folder / "tuned"),
-                       "default": loadtest(r["default"]["knobs"], cap, r["slo"], r["workload"], folder / "default")})
+    checks = [c for i, r in enumerate(results) if (c := independent_check(i, r, base / f"run-{i}")) is not None]
     intervals = [((r.get("tuned") or {}).get("capacity_req_per_s") or {}) for r in results]
     overlap = all(a.get("low") is not None and b.get("high") is not None and a["low"] <= (b["high"] or 1e9)
                   and b["low"] <= (a["high"] or 1e9) for a in intervals for b in intervals) if intervals else False
     verdicts = [r.get("verdict") for r in results]
     return {"runs": results, "independent_loadtests": checks, "intervals_overlap": overlap,
             "verdicts_agree": len({v is None for v in verdicts}) == 1}
+
+
+def independent_check(i: int, r: dict[str, Any], folder: Path) -> dict[str, Any] | None:
+    """Where run ``i``'s verdict names a winner: it and the default config at the winner's claimed capacity."""
+    tuned = r.get("tuned") or {}
+    cap = (tuned.get("capacity_req_per_s") or {}).get("value")
+    if not cap or r.get("verdict") is None:
+        return None
+    folder = folder / "independent"
+    return {"run": i, "tuned": loadtest(tuned["knobs"], cap, r["slo"], r["workload"], folder / "tuned"),
+            "default": loadtest(r["default"]["knobs"], cap, r["slo"], r["workload"], folder / "default")}
 
 
 def saved_run(folder: Path) -> dict[str, Any]:
@@ -122,7 +127,9 @@ def versus(out: Path, workload: str, trace: Path | None) -> dict[str, Any]:
         policy = yaml.safe_load((REPO / "policies" / "default.yaml").read_text())
         policy["workload"] = {"name": str(trace), "length_scale": 0.125, "max_context": 2048}
         out.with_suffix(".policy.yaml").write_text(yaml.safe_dump(policy))
-    return run_tune(out.with_suffix(""), extra)
+    result = run_tune(out.with_suffix(""), extra)
+    check = independent_check(0, result, out.with_suffix(""))
+    return result | {"independent_loadtests": [check] if check else []}
 
 
 def main() -> int:

@@ -41,6 +41,9 @@ OPTIONS: list[Option] = [
     Option("ramp-to", "", "ramp arrivals: rate at the end (starts at --rate)"),
     Option("time-scale", "", "stretch a trace's timestamps by this factor (2 = half the rate); default 1, or set by --rate"),
     Option("trace-offset", "0s", "skip this much of the trace's beginning"),
+    Option("trace-segment-seed", "", "replay the segment of the trace (after --trace-offset) that starts where this "
+                                     "seed draws, uniformly among the starts whose --duration fits; default: from "
+                                     "the beginning"),
     Option("length-scale", "1.0", "scale prompt (and output) lengths"),
     Option("output-scale", "", "scale output lengths by this instead of --length-scale"),
     Option("max-context", "", "clip prompt+output to this many tokens (the model's context / max_model_len)"),
@@ -95,6 +98,7 @@ _CONVERT: dict[str, Callable[[Any], Any]] = {
     "ramp_to": _opt(float),
     "time_scale": _opt(_pos_float),
     "trace_offset": _opt(parse_duration),
+    "trace_segment_seed": _opt(int),
     "length_scale": _opt(_pos_float),
     "output_scale": _opt(_pos_float),
     "max_context": _opt(_pos_int),
@@ -123,6 +127,7 @@ class LoadConfig:
     ramp_to: float | None = None
     time_scale: float | None = None
     trace_offset: float = 0.0
+    trace_segment_seed: int | None = None  # a fresh draw of a trace is another segment of it (trace arrivals only)
     length_scale: float = 1.0
     output_scale: float | None = None
     max_context: int | None = None

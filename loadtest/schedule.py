@@ -38,6 +38,13 @@ def open_config_workload(cfg: LoadConfig) -> Workload:
                          prefix_output_len=cfg.prefix_output_len, trace_offset_s=cfg.trace_offset)
 
 
+def segment_start(span_s: float, needed_s: float, seed: int) -> float:
+    """Where a trace segment of ``needed_s`` (trace time) starts for draw ``seed``: uniform over the starts whose
+    segment ends within the trace's ``span_s``; 0 when the trace is no longer than the segment."""
+    room = span_s - needed_s
+    return float(np.random.default_rng([seed, 7]).uniform(0.0, room)) if room > 0 else 0.0
+
+
 def build_schedule(cfg: LoadConfig) -> Schedule:
     wl = open_config_workload(cfg)
     arrival = cfg.arrival or ("trace" if wl.has_timestamps else "poisson")
@@ -49,9 +56,13 @@ def build_schedule(cfg: LoadConfig) -> Schedule:
         if cfg.time_scale is not None and cfg.rate is not None:
             raise ValueError("give --rate or --time-scale for a trace's own timestamps, not both")
         time_scale = cfg.time_scale or (wl.mean_rate / cfg.rate if cfg.rate else 1.0)
+        if cfg.trace_segment_seed is not None:  # after the time scale: a rate means the whole trace's mean rate
+            wl.start_at(segment_start(wl.span_s, cfg.duration / time_scale, cfg.trace_segment_seed))
         times = from_trace([r.time for r in wl.rows], time_scale, cfg.duration)
         truncated = len(times) == len(wl.rows)  # the trace ended before the duration
     else:
+        if cfg.trace_segment_seed is not None:
+            raise ValueError("--trace-segment-seed draws a segment of a trace replayed on its own timestamps")
         if cfg.time_scale not in (None, 1.0):
             raise ValueError("--time-scale stretches a trace's own timestamps; with synthetic arrivals set --rate")
         rng = np.random.default_rng([cfg.seed, 4])

@@ -256,13 +256,21 @@ class TraceWorkload(Workload):
         t_first = rows[0].time
         for r in rows:
             r.time -= t_first
-        if offset_s:
-            rows = [TraceRow(r.time - offset_s, r.prompt, r.output, r.hash_ids) for r in rows if r.time >= offset_s]
-            if not rows:
-                raise ValueError(f"trace {path} has no rows after offset {offset_s}s")
-        self.offset_s = offset_s
         self.rows = rows
+        self.offset_s = 0.0
+        self.start_at(offset_s)
         self.name = os.path.basename(self.path)
+
+    def start_at(self, offset_s: float) -> None:
+        """Skip the first ``offset_s`` seconds of the rows' timeline (which then starts at that point: the gap to
+        the first row kept is the trace's own)."""
+        if not offset_s:
+            return
+        kept = [TraceRow(r.time - offset_s, r.prompt, r.output, r.hash_ids) for r in self.rows if r.time >= offset_s]
+        if not kept:
+            raise ValueError(f"trace {self.path} has no rows after offset {self.offset_s + offset_s}s")
+        self.rows = kept
+        self.offset_s += offset_s
 
     @staticmethod
     def read_rows(path: str) -> list[TraceRow]:  # pragma: no cover - abstract
@@ -367,6 +375,14 @@ class MooncakeTraceWorkload(TraceWorkload):
 
 
 # ---------------------------------------------------------------------------------------------- factory
+
+SYNTHETIC_WORKLOADS = ("mixed", "prefix")
+
+
+def is_trace(name: str) -> bool:
+    """A workload name that is a trace file (everything but the synthetic workloads)."""
+    return name not in SYNTHETIC_WORKLOADS
+
 
 def open_workload(name: str, lengths: LengthOptions | None = None, seed: int = 0, *, mix: str = DEFAULT_MIX,
                   mix_weights: str = DEFAULT_MIX_WEIGHTS, prefix_groups: int = 8, prefix_len: str = "1024",

@@ -3,6 +3,7 @@ configs, the paired verdict, tuned.yaml) on the simulator standing in for the en
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -118,3 +119,31 @@ def test_when_nothing_was_shown_served_the_last_lines_tell_undecided_from_missed
     add(ROLE_DEFAULT, [(1.0, "missed"), (0.5, "missed")], "not served at 0.5 req/s")
     assert run.finish() == 1
     assert "every rate probed was missed: try a looser target" in capsys.readouterr().err
+
+
+# the real traces: $SLOTUNE_TRACES, else a shared/traces folder beside the clone
+TRACES = Path(os.environ.get("SLOTUNE_TRACES") or Path(__file__).resolve().parents[2] / "shared" / "traces")
+CONV = TRACES / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
+
+
+@pytest.mark.skipif(not CONV.exists(), reason=f"real traces not found at {CONV}")
+def test_on_a_trace_every_arrival_draw_replays_its_own_segment_the_same_for_every_config(tmp_path: Path) -> None:
+    """The floor and every measurement pool windows of fresh draws: on a trace each draw is another stretch of it
+    (the trace's start alone holds one request in the floor's first window at 1 req/s), and within a draw every
+    config replays the same stretch (common random numbers)."""
+    from policies import WorkloadSpec
+    from tuner.measure.floor import measure_floor
+    from tuner.measure.measurement import MeasurementSpec
+
+    workload = WorkloadSpec(name=str(CONV), length_scale=0.125, max_context=2048)
+    model = StepTimeModel.load(profile_path(None))
+    sim = SimTrialRunner(model, limits=limits_of(model), workload=workload, duration=15.0, warmup=3.0,
+                         slo=SLO(0.05, 2.0), seed=0)
+    floor, outcomes = measure_floor(sim, tmp_path / "floor", spec=MeasurementSpec(min_gaps=400, max_segments=3))
+    assert floor.reason is None and floor.tbt_p99_batch1.value is not None, floor.describe()
+    offsets = [o.summary["trace_offset_s"] for o in outcomes]
+    assert len(set(offsets)) > 1 and all(o.summary["requests"] > 0 for o in outcomes)
+    a = sim.run({"max_num_seqs": 1}, tmp_path / "a", rate=1.0, seed=5)
+    b = sim.run({"max_num_seqs": 8}, tmp_path / "b", rate=1.0, seed=5)
+    c = sim.run({"max_num_seqs": 8}, tmp_path / "c", rate=1.0, seed=6)
+    assert a.summary["trace_offset_s"] == b.summary["trace_offset_s"] != c.summary["trace_offset_s"]

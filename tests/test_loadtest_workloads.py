@@ -111,6 +111,34 @@ def test_trace_schedule_time_scale_rate_and_limits():
     assert [(r.prompt_len, r.output_len) for r in s.requests] == [(x.prompt, x.output) for x in w.rows[:len(s)]]
 
 
+@needs_traces
+def test_trace_segment_seed_draws_another_segment_at_the_same_rate():
+    """A fresh arrival draw of a trace is another segment of it: the same seed the same segment (common random
+    numbers), another seed another one; the rate is the whole trace's, so segments differ only as the trace does."""
+    path = str(CONV)
+    base = LoadConfig(workload=path, duration=60.0, rate=1.0)
+    first = build_schedule(base)
+    a = build_schedule(LoadConfig(**{**base.to_dict(), "trace_segment_seed": 3}))
+    b = build_schedule(LoadConfig(**{**base.to_dict(), "trace_segment_seed": 3}))
+    c = build_schedule(LoadConfig(**{**base.to_dict(), "trace_segment_seed": 4}))
+    assert [(r.at, r.prompt_len) for r in a.requests] == [(r.at, r.prompt_len) for r in b.requests]
+    assert a.meta["time_scale"] == first.meta["time_scale"] == pytest.approx(5.53, rel=0.01)
+    w = AzureTraceWorkload(path)
+    needed = 60.0 / a.meta["time_scale"]
+    for s in (a, c):
+        start = s.meta["trace_offset_s"]
+        assert 0 < start <= w.span_s - needed
+        rows = [r for r in w.rows if start <= r.time < start + needed]  # exactly the trace's rows of that segment
+        assert [x.prompt_len for x in s.requests] == [r.prompt for r in rows]
+        assert [x.at for x in s.requests] == pytest.approx([(r.time - start) * s.meta["time_scale"] for r in rows])
+    assert a.meta["trace_offset_s"] != c.meta["trace_offset_s"]
+    # over many draws the segments cover the trace and carry its mean rate
+    counts = [len(build_schedule(LoadConfig(**{**base.to_dict(), "trace_segment_seed": k}))) for k in range(40)]
+    assert np.mean(counts) == pytest.approx(60.0, rel=0.25)
+    with pytest.raises(ValueError, match="trace-segment-seed"):
+        build_schedule(LoadConfig(workload="mixed", duration=10.0, rate=1.0, trace_segment_seed=1))
+
+
 def write_mooncake(path, rows):
     with open(path, "w") as f:
         for r in rows:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from loadtest.config import LoadConfig
 from loadtest.summary import SLO
+from loadtest.workloads import is_trace
 from policies import WorkloadSpec
 
 
@@ -28,7 +29,9 @@ class TrialBackend(Protocol):
 
 def load_config_for(workload: WorkloadSpec, slo: SLO, rate: float, duration: float, seed: int,
                     drain_timeout: float, url: str = "", out: str | None = None) -> LoadConfig:
-    """The load test of one trial: the workload's lengths, mix, scales and trace window, the SLO, the arrival draw."""
+    """The load test of one trial: the workload's lengths, mix, scales and trace window, the SLO, the arrival draw
+    (for a trace: the segment of it that the draw picks, so that fresh draws replay other stretches of the trace and
+    every config of a round the same one)."""
     extra: dict[str, Any] = {}
     if workload.mix:
         extra["mix"] = workload.mix
@@ -40,6 +43,7 @@ def load_config_for(workload: WorkloadSpec, slo: SLO, rate: float, duration: flo
         extra["url"] = url
     return LoadConfig(workload=workload.name, rate=rate, duration=duration, length_scale=workload.length_scale,
                       time_scale=workload.time_scale, max_context=workload.max_context,
-                      trace_offset=workload.trace_offset, seed=seed, slo_p99_tbt=slo.tbt_p99,
+                      trace_offset=workload.trace_offset, trace_segment_seed=seed if is_trace(workload.name) else None,
+                      seed=seed, slo_p99_tbt=slo.tbt_p99,
                       slo_p99_ttft=slo.ttft_p99, slo_p99_e2e=slo.e2e_p99, drain_timeout=drain_timeout,
                       request_timeout=max(30.0, drain_timeout), out=out, **extra)
