@@ -138,3 +138,30 @@ def test_rescaled_moves_prefill_and_decode_steps_by_their_own_factors() -> None:
         assert adapted.bind(s["block_size"], seed=None)(*i) == pytest.approx(adapted.predict_record(s), rel=1e-9)
     again = StepTimeModel.from_dict(adapted.to_dict())
     assert again.prefill_factor == adapted.prefill_factor != 1.0
+
+
+def test_rescaled_prefill_factor_follows_the_chunk_size_as_measured() -> None:
+    # a machine whose small prefill chunks sped up more than its large prefills (measured on an AMD EPYC against a
+    # profile from another CPU: 16-token steps 0.59x, 64-token 0.74x, 256-token 0.91x): one prefill factor, the
+    # median over all prefill steps, predicted a 16-token chunk 10 % too slow, enough to move a config across 50 ms
+    model = StepTimeModel.fit(synthetic_steps(400, seed=3))
+
+    def true_factor(tokens: int) -> float:
+        return 0.6 * (max(tokens, 1) / 16) ** 0.15
+
+    other = [{**s, "total_s": s["total_s"] * (true_factor(s["num_prefill_tokens"]) if s["num_prefill_seqs"] else 0.55)}
+             for s in synthetic_steps(600, seed=4, noise=0.05)]
+    adapted = model.rescaled(other)
+    assert adapted is not None and adapted.prefill_exponent == pytest.approx(0.15, abs=0.03)
+    for s in synthetic_steps(80, seed=5):
+        p = s["num_prefill_tokens"]
+        lo, hi = adapted.prefill_tokens
+        factor = true_factor(int(min(max(p, lo), hi))) if s["num_prefill_seqs"] else 0.55
+        assert adapted.predict_record(s) == pytest.approx(factor * model.predict_record(s), rel=0.06)
+        i = (s["num_prefill_seqs"], p, s["num_decode_tokens"], s["context_tokens"], 0)
+        assert adapted.bind(s["block_size"], seed=None)(*i) == pytest.approx(adapted.predict_record(s), rel=1e-9)
+    again = StepTimeModel.from_dict(adapted.to_dict())
+    assert (again.prefill_exponent, again.prefill_tokens) == (adapted.prefill_exponent, adapted.prefill_tokens)
+    # rescaling an already rescaled model fits from the profile's plain prediction, not on top of the old factors
+    twice = adapted.rescaled(other)
+    assert twice is not None and twice.prefill_exponent == pytest.approx(adapted.prefill_exponent, abs=0.03)

@@ -82,3 +82,25 @@ def test_console_scripts_exit_2_without_traceback(tmp_path: Path) -> None:
                  "--sampler", "--objective", "--policy", "--storage", "--study-name", "--engine-url",
                  "--admin-token", "--model", "--out", "--apply"):
         assert flag in helptext
+
+
+def test_a_trace_keeps_the_scales_a_policy_gives_it_and_drops_those_meant_for_mixed(tmp_path: Path) -> None:
+    """`--workload TRACE` with a policy that names that trace and scales it: the policy's scales hold (they once
+    silently fell back to x1, so a run meant at x1/8 replayed prompts of 1,300 tokens at x1); with the default policy,
+    whose scales are for the mixed workload, the trace keeps its own lengths."""
+    import yaml
+
+    from tuner.commands.tune import build_parser, policy_from_args
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,100,10\n1,200,20\n")
+    policy = yaml.safe_load((REPO / "policies" / "default.yaml").read_text())
+    policy["workload"] = {"name": str(trace), "length_scale": 0.0625, "max_context": 2048}
+    (tmp_path / "policy.yaml").write_text(yaml.safe_dump(policy))
+    args = build_parser().parse_args(["--workload", str(trace), "--policy", str(tmp_path / "policy.yaml")])
+    w = policy_from_args(args).workload
+    assert (w.name, w.length_scale, w.max_context) == (str(trace), 0.0625, 2048)
+    w = policy_from_args(build_parser().parse_args(["--workload", str(trace)])).workload
+    assert (w.name, w.length_scale, w.output_scale) == (str(trace), 1.0, None)
+    w = policy_from_args(build_parser().parse_args(["--workload", "mixed"])).workload
+    assert (w.name, w.length_scale, w.output_scale) == ("mixed", 0.125, 0.25)

@@ -86,11 +86,8 @@ class CapacityRun:
             # how long a candidate's takes (started at its predicted capacity, its windows fill faster)
             run_trials(self.study, self.runner, p, p.trials, self.s.trials_dir, on_trial=self.after_trial,
                        searcher=self.searcher, max_runs=1)
-        # the further searches leave the verdict its budget: a search is not started unless the longest so far would
-        # end before that
-        deadline = self.s.started + p.time_budget - p.verdict.budget
         run_trials(self.study, self.runner, p, p.trials, self.s.trials_dir, on_trial=self.after_trial,
-                   searcher=self.searcher, deadline=deadline)
+                   searcher=self.searcher, deadline=self.searches_deadline())
         if len(measured(self.study)) < p.trials:
             say(f"{PROG}: the time budget ({format_duration(p.time_budget)}) leaves the verdict its "
                 f"{format_duration(p.verdict.budget)}: no further configs searched (the longest search so far took "
@@ -145,10 +142,17 @@ class CapacityRun:
         self.rescreen = rescreen
         rescreen.enqueue_next(self.study)
 
+    def searches_deadline(self) -> float:
+        """The further searches leave the verdict its budget: a search is not started unless the longest so far
+        would end before this (a time.monotonic())."""
+        return self.s.started + self.p.time_budget - self.p.verdict.budget
+
     def after_trial(self, r: TrialReport) -> None:
-        """The trial's line, then the next screened trial, ranked at the engine's speed."""
+        """The trial's line, then the next screened trial, ranked at the engine's speed (not when no further search
+        could start before the deadline: a ranking nobody searches is time the verdict loses)."""
         self.trial_line(r)
-        if self.rescreen is not None and r.done < r.total:
+        starts = time.monotonic() + longest_trial_s(self.study) <= self.searches_deadline()
+        if self.rescreen is not None and r.done < r.total and starts:
             self.rescreen.enqueue_next(self.study)
 
     # ------------------------------------------------------------------------------------------------ verdict

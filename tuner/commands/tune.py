@@ -101,10 +101,13 @@ def policy_from_args(args: argparse.Namespace) -> Policy:
     if args.workload is not None:
         if args.workload != "mixed" and not Path(args.workload).is_file():
             raise CliError(f"argument --workload: no such file {args.workload!r} (use mixed or a trace file)")
-        # a trace keeps its own lengths unless the policy scales them: the policy's scale is for the mixed default
-        scale = policy.workload.length_scale if args.workload == "mixed" else 1.0
-        changes["workload"] = replace(policy.workload, name=args.workload, length_scale=scale,
-                                      output_scale=policy.workload.output_scale if args.workload == "mixed" else None)
+        # a trace keeps its own lengths unless the policy scales them (names the same trace): the policy's scales
+        # for another workload (the default policy's are for mixed) do not carry over to it
+        if args.workload != policy.workload.name:
+            keep = args.workload == "mixed"
+            changes["workload"] = replace(policy.workload, name=args.workload,
+                                          length_scale=policy.workload.length_scale if keep else 1.0,
+                                          output_scale=policy.workload.output_scale if keep else None)
     if "rate" in args:
         changes["rate"] = args.rate
     for flag in ("trials", "trial_duration", "sampler", "objective"):

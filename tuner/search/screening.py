@@ -205,12 +205,17 @@ def speed_scale(model: StepTimeModel | None) -> float:
 
 
 def rescale_text(model: StepTimeModel | None) -> str:
-    """``decode steps x1.67, prefill steps x1.39 (rescaled to 786 engine steps)``; empty when not rescaled."""
+    """``decode steps x0.54, prefill steps x0.59-0.91 (16-256 tokens) (rescaled to 786 engine steps)``; empty when
+    not rescaled."""
     r = (model.meta if model is not None else {}).get("rescaled")
-    if not r:
+    if model is None or not r:
         return ""
-    return (f"decode steps x{r['scale']:.2f}, prefill steps x{r.get('prefill_scale', r['scale']):.2f} (rescaled to "
-            f"{r['steps']} engine steps)")
+    prefill = f"x{r.get('prefill_scale', r['scale']):.2f}"
+    if model.prefill_exponent:
+        lo, hi = model.prefill_tokens
+        prefill = (f"x{model.prefill_factor_at(int(lo)) * r['scale']:.2f}-{model.prefill_factor_at(int(hi)) * r['scale']:.2f}"
+                   f" ({lo:.0f}-{hi:.0f} tokens)")
+    return f"decode steps x{r['scale']:.2f}, prefill steps {prefill} (rescaled to {r['steps']} engine steps)"
 
 
 # A screened config as the study enqueues it: the sampler's params, and the prediction kept in its user attrs.

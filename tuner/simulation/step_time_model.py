@@ -30,7 +30,7 @@ import json
 import math
 import random
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -96,6 +96,30 @@ class FitError:
     n: int
 
 
+PREFILL_CLASS_STEPS = 10  # a size class of prefill steps (a power of two of tokens) counts with this many steps
+
+
+def prefill_power(tokens: np.ndarray, ratios: np.ndarray) -> tuple[float, float, tuple[float, float]]:
+    """(factor at the geometric middle of the tokens' range, exponent, (lowest, highest) tokens) of
+    ratio = factor * (tokens / middle)^exponent, fitted to the median log ratio of each size class of prefill steps
+    (powers of two of tokens, those with PREFILL_CLASS_STEPS steps or more; weighted by the root of their counts):
+    medians, so that a few slow steps (a page fault, a preempted core) do not tilt it. One class: the median ratio."""
+    classes = np.round(np.log2(np.maximum(tokens, 1.0)))
+    x, y, w = [], [], []
+    for c in np.unique(classes):
+        sel = classes == c
+        if sel.sum() >= PREFILL_CLASS_STEPS:
+            x.append(float(np.median(np.log(np.maximum(tokens[sel], 1.0)))))
+            y.append(float(np.median(np.log(ratios[sel]))))
+            w.append(float(np.sqrt(sel.sum())))
+    if len(x) < 2:
+        return float(np.median(ratios)), 0.0, (1.0, 1.0)
+    slope, intercept = np.polyfit(x, y, 1, w=w)
+    lo, hi = float(np.exp(min(x))), float(np.exp(max(x)))
+    middle = 0.5 * (min(x) + max(x))
+    return float(np.exp(intercept + slope * middle)), float(np.clip(slope, -1.0, 1.0)), (lo, hi)
+
+
 @dataclass
 class StepTimeModel:
     coef: dict[str, float]  # seconds per unit of each feature
@@ -109,8 +133,13 @@ class StepTimeModel:
     # the engine's own step-to-step variation (CPU contention, allocator, GC), which sets the tail of the TBT.
     noise: list[float] = field(default_factory=list)
     # A step that prefills takes this factor times its prediction (1.0 as fitted; a rescale to a machine whose
-    # prefill and decode steps moved by different factors sets it, see rescaled)
+    # prefill and decode steps moved by different factors sets it, see rescaled), times
+    # (prefill tokens / the geometric middle of prefill_tokens)^prefill_exponent, the tokens clipped to that range:
+    # on another machine small prefill chunks and large prefills moved by different factors (0.6x and 0.9x the
+    # profile in one run), a power of the chunk's size in between
     prefill_factor: float = 1.0
+    prefill_exponent: float = 0.0
+    prefill_tokens: tuple[float, float] = (1.0, 1.0)
     _warned: set[str] = field(default_factory=set, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -160,34 +189,40 @@ class StepTimeModel:
     def rescaled(self, steps: Iterable[Mapping[str, Any]], block_size: int | None = None,
                  min_steps: int = MIN_RESCALE_STEPS) -> StepTimeModel | None:
         """This model rescaled to ``steps`` (a real trial's): decode-only steps by the median measured/predicted
-        ratio of those among ``steps``, steps that prefill by the median ratio of theirs (a machine's matrix units
-        and its memory bandwidth move differently from the calibration CPU's: one such run's prefill steps ran 1.39x
-        the profile, its decode steps 1.67x). A side with fewer than ``min_steps`` records takes the median of all.
-        The model's shape is not refitted (one trial's few step shapes could not pin it down), and the step-to-step
-        variation stays the profile's: measured over all calibration configs, it is a broader sample than one
-        trial's (with the trial's own, held-out p99 TBT predictions got worse in the fidelity benchmark). None when
-        fewer than ``min_steps`` records do work."""
+        ratio of those among ``steps``; steps that prefill by a power of their prefill tokens fitted to theirs
+        (:func:`prefill_power`: a machine's matrix units and its memory bandwidth move differently from the
+        calibration CPU's, and small chunks differently from large prefills: one run's decode steps ran 0.54x the
+        profile, its 16-token prefill steps 0.59x, its 256-token ones 0.91x). A side with fewer than ``min_steps``
+        records takes the median of all. The model's shape is not refitted (one trial's few step shapes could not
+        pin it down), and the step-to-step variation stays the profile's: measured over all calibration configs,
+        it is a broader sample than one trial's (with the trial's own, held-out p99 TBT predictions got worse in the
+        fidelity benchmark). None when fewer than ``min_steps`` records do work."""
         steps = [s for s in steps if s["num_prefill_tokens"] + s["num_decode_tokens"] > 0 and s["total_s"] > 0]
         if len(steps) < min_steps:
             return None
+        plain = replace(self, prefill_factor=1.0, prefill_exponent=0.0, _warned=set())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ExtrapolationWarning)  # a trial's own shapes may leave the profile
-            pred = np.array([self.predict_record(s, block_size) for s in steps])
+            pred = np.array([plain.predict_record(s, block_size) for s in steps])
         y = np.array([float(s["total_s"]) for s in steps])
+        tokens = np.array([s["num_prefill_tokens"] for s in steps], dtype=float)
         prefills = np.array([s["num_prefill_seqs"] > 0 for s in steps])
         ok = pred > 0
         overall = float(np.median(y[ok] / pred[ok]))
-
-        def median_of(side: np.ndarray) -> float:
-            sel = ok & side
-            return float(np.median(y[sel] / pred[sel])) if sel.sum() >= min_steps else overall
-
-        decode, prefill = median_of(~prefills), median_of(prefills)
+        sel = ok & ~prefills
+        decode = float(np.median(y[sel] / pred[sel])) if sel.sum() >= min_steps else overall
+        sel = ok & prefills
+        if sel.sum() >= min_steps:
+            prefill, exponent, lo_hi = prefill_power(tokens[sel], y[sel] / pred[sel])
+        else:
+            prefill, exponent, lo_hi = overall, 0.0, (1.0, 1.0)
         return StepTimeModel(coef={k: v * decode for k, v in self.coef.items()}, ranges=self.ranges,
                              gap_s=self.gap_s, request_latency_s=self.request_latency_s,
                              token_latency_s=self.token_latency_s, fit_error=self.fit_error, noise=list(self.noise),
-                             prefill_factor=self.prefill_factor * prefill / decode,
+                             prefill_factor=prefill / decode, prefill_exponent=exponent, prefill_tokens=lo_hi,
                              meta={**self.meta, "rescaled": {"scale": decode, "prefill_scale": prefill,
+                                                            "prefill_exponent": exponent,
+                                                            "prefill_tokens": list(lo_hi),
                                                             "steps": int(ok.sum()),
                                                             "prefill_steps": int((ok & prefills).sum())}})
 
@@ -202,7 +237,14 @@ class StepTimeModel:
         row = feature_row(num_prefill_seqs, num_prefill_tokens, num_decode_tokens, context_tokens, block_size,
                           num_swapped_blocks)
         t = float(sum(self.coef[f] * v for f, v in zip(FEATURES, row)))
-        return t * self.prefill_factor if num_prefill_seqs else t
+        return t * self.prefill_factor_at(num_prefill_tokens) if num_prefill_seqs else t
+
+    def prefill_factor_at(self, prefill_tokens: int) -> float:
+        """The factor of a step that prefills ``prefill_tokens`` tokens."""
+        if not self.prefill_exponent:
+            return self.prefill_factor
+        lo, hi = self.prefill_tokens
+        return self.prefill_factor * (min(max(prefill_tokens, lo), hi) / math.sqrt(lo * hi)) ** self.prefill_exponent
 
     def predict_record(self, step: Mapping[str, Any], block_size: int | None = None) -> float:
         i = _inputs(step, block_size)
@@ -222,6 +264,7 @@ class StepTimeModel:
         c_ctx = c["context_tokens"] + c["context_blocks"] / block_size
         c_sq, c_swap, c_pstep = c["prefill_square"], c["swapped_blocks"], c["prefill_step"]
         pf = self.prefill_factor
+        factor_at = self.prefill_factor_at if self.prefill_exponent else None
 
         def step_time(prefill_seqs: int, prefill_tokens: int, decode_tokens: int, context_tokens: int,
                       swapped_blocks: int) -> float:
@@ -231,7 +274,7 @@ class StepTimeModel:
                 t += c_swap * swapped_blocks
             if prefill_seqs:
                 t += c_pstep + c_pseq * prefill_seqs + c_sq * prefill_tokens * prefill_tokens / prefill_seqs
-                t *= pf
+                t *= pf if factor_at is None else factor_at(prefill_tokens)
             return t
 
         if noise is None:
@@ -272,7 +315,8 @@ class StepTimeModel:
                 "gap_s": self.gap_s, "request_latency_s": self.request_latency_s,
                 "token_latency_s": self.token_latency_s,
                 "fit_error": asdict(self.fit_error) if self.fit_error else None, "noise": self.noise,
-                "prefill_factor": self.prefill_factor, "meta": self.meta}
+                "prefill_factor": self.prefill_factor, "prefill_exponent": self.prefill_exponent,
+                "prefill_tokens": list(self.prefill_tokens), "meta": self.meta}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str = "profile") -> StepTimeModel:
@@ -290,7 +334,9 @@ class StepTimeModel:
                    token_latency_s=float(d.get("token_latency_s", 0.0)),
                    fit_error=FitError(**fe) if fe else None, meta=dict(d.get("meta") or {}),
                    noise=[float(v) for v in d.get("noise") or []],
-                   prefill_factor=float(d.get("prefill_factor", 1.0)))
+                   prefill_factor=float(d.get("prefill_factor", 1.0)),
+                   prefill_exponent=float(d.get("prefill_exponent", 0.0)),
+                   prefill_tokens=tuple(float(v) for v in d.get("prefill_tokens", (1.0, 1.0))))  # type: ignore[arg-type]
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
