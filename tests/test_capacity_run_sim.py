@@ -24,8 +24,8 @@ from tuner.search.study import enqueue_default, open_storage, open_study
 def run_on_the_simulator(tmp_path: Path, tbt: float, capsys: pytest.CaptureFixture[str],
                          searches_budget: float | None = None) -> tuple[int, str, str]:
     policy = load_policy().replace(trials=3)
-    if searches_budget is not None:  # what the time budget leaves the searches besides the verdict's share
-        policy = policy.replace(time_budget=policy.verdict.budget + searches_budget)
+    if searches_budget is not None:  # a time budget spent before the searches (less than one verdict round)
+        policy = policy.replace(time_budget=searches_budget)
     policy = policy.replace(slo=policy.slo.__class__(tbt_p99=tbt, ttft_p99=2.0))
     args = build_parser().parse_args(["--out", str(tmp_path / "out" / "tuned.yaml"), "--screen", "6"])
     storage = open_storage(f"sqlite:///{tmp_path}/study.db")

@@ -183,6 +183,24 @@ def test_known_neighbours_start_the_search_near_their_capacity() -> None:
     assert next_rate(0.0, math.inf, 1.0, 2.0) == 1.0 and next_rate(1.0, 4.0, 1.0, 2.0) == 2.0
 
 
+def test_the_target_that_ends_a_capacity_is_the_one_missed_at_the_lowest_rate_not_served() -> None:
+    iv = Interval(0.9, 0.8, 1.0, 0.95, 50)
+
+    def probe_missing(*missed: str) -> Any:
+        def probe(rate: float) -> Measurement:
+            if rate <= 2.0:
+                return scripted_measurement(rate, "met")
+            verdicts: dict[str, Verdict] = {"attainment": "missed", "tbt_p99": "met", "ttft_p99": "met"}
+            verdicts.update({k: "missed" for k in missed})
+            return Measurement({}, rate, Figures(50, 20, 1000, iv, iv, iv, verdicts))
+        return probe
+
+    for missed, bound in [(("ttft_p99",), "ttft"), (("tbt_p99",), "tbt"), (("tbt_p99", "ttft_p99"), ""), ((), "")]:
+        cap = search_capacity(probe_missing(*missed), {}, start=1.0, resolution=0.15, max_probes=12)
+        assert cap.resolved and cap.bound == bound and cap.as_dict()["bound"] == bound
+    assert search_capacity(truth(11.0), {}, start=1.0, max_probes=2).bound == ""  # nothing missed yet
+
+
 def test_on_the_simulator_the_capacity_bracket_separates_served_from_not_served_rates(tmp_path: Path) -> None:
     from policies import WorkloadSpec
     from tuner.commands.simulate import limits_of, profile_path

@@ -259,6 +259,31 @@ def test_each_next_screened_trial_is_the_best_at_the_speed_refitted_after_the_tr
     assert rescreen.enqueue_next(study) is None  # top=2 screened trials ran
 
 
+def test_after_a_config_one_target_bounds_the_next_is_the_best_that_target_does_not(tmp_path) -> None:
+    """The hedge: the screen's first pick was bound by TTFT (one sequence at a time, queueing); the simulator may
+    be wrong exactly there, so the engine measures next the best config that TTFT does not bound, then the rest in
+    ranking order."""
+    import optuna
+
+    from tuner.search.screening import Rescreen, _sample, load_profile
+
+    profile = load_profile()
+    configs = [params for _, params in _sample(POLICY, 4, seed=0)]
+    bounds = ["ttft", "ttft", "tbt", ""]
+    ranking = [(p, {"screen_predicted_capacity": 3.0 - i * 0.1, "screen_bound": b})
+               for i, (p, b) in enumerate(zip(configs, bounds))]
+    study = optuna.create_study(direction="maximize")
+    add_real_trial(study, tmp_path / "default", profile, 1.0, 40, seed=0)
+    rescreen = Rescreen(profile, lambda model: ranking, top=3, tolerance=10.0)
+    order = []
+    for i in range(3):
+        nxt = rescreen.enqueue_next(study)
+        assert nxt is not None
+        order.append(configs.index(nxt[0]))
+        add_real_trial(study, tmp_path / f"screened-{i}", profile, 1.0, 40, seed=i + 1, params=nxt[0])
+    assert order == [0, 2, 1]  # ttft, then the best not bound by ttft, then (both kinds searched) the ranking's next
+
+
 class SlowingEngine:
     """The simulator standing in for a real engine (its trials count as measured) that runs ``speeds[i]`` times the
     profile's step times in its i-th trial (the last speed from then on)."""

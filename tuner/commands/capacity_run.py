@@ -89,9 +89,9 @@ class CapacityRun:
         run_trials(self.study, self.runner, p, p.trials, self.s.trials_dir, on_trial=self.after_trial,
                    searcher=self.searcher, deadline=self.searches_deadline())
         if len(measured(self.study)) < p.trials:
-            say(f"{PROG}: the time budget ({format_duration(p.time_budget)}) leaves the verdict its "
-                f"{format_duration(p.verdict.budget)}: no further configs searched (the longest search so far took "
-                f"{format_duration(longest_trial_s(self.study))})")
+            say(f"{PROG}: the time budget ({format_duration(p.time_budget)}) leaves the verdict a round "
+                f"({format_duration(min(p.verdict.budget, self.verdict_round_s()))}): no further configs searched "
+                f"(the longest search so far took {format_duration(longest_trial_s(self.study))})")
         return self.finish()
 
     def trial_line(self, r: TrialReport) -> None:
@@ -134,8 +134,8 @@ class CapacityRun:
                     f"{short_knobs(c.knobs, names)} " + "/".join(f"{v:.3g}" for v in c.capacities)
                     for c in ranked[:top]) + " req/s")
             # the search starts at the typical draw's capacity, as one engine search sees one draw
-            return [(c.params, {"screen_predicted_capacity": c.typical, "screen_capacities": c.capacities})
-                    for c in ranked]
+            return [(c.params, {"screen_predicted_capacity": c.typical, "screen_capacities": c.capacities,
+                               "screen_bound": c.bound}) for c in ranked]
 
         rescreen = Rescreen(None if isinstance(self.runner, SimTrialRunner)
                             else load_profile(dtype=engine_dtype(self.runner)), rank, top=top)
@@ -143,9 +143,18 @@ class CapacityRun:
         rescreen.enqueue_next(self.study)
 
     def searches_deadline(self) -> float:
-        """The further searches leave the verdict its budget: a search is not started unless the longest so far
-        would end before this (a time.monotonic())."""
-        return self.s.started + self.p.time_budget - self.p.verdict.budget
+        """The further searches leave the verdict one round (its budget at most): a search is not started unless
+        the longest so far would end before this (a time.monotonic()). A second candidate searched is worth more
+        than the verdict's later rounds: the first round decides when the candidate is clearly better, and the
+        screen's first pick is often not the engine's best."""
+        return self.s.started + self.p.time_budget - min(self.p.verdict.budget, self.verdict_round_s())
+
+    def verdict_round_s(self) -> float:
+        """The longest one verdict round should take: the default and each candidate measured up to the cap
+        (``max_segments`` windows of warm-up and window each), half again for the engine's idle waits between
+        windows."""
+        p = self.p
+        return 1.5 * (1 + p.verdict.candidates) * self.verdict_spec().max_segments * (p.trial_duration + p.warmup)
 
     def after_trial(self, r: TrialReport) -> None:
         """The trial's line, then the next screened trial, ranked at the engine's speed (not when no further search

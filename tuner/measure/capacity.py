@@ -63,6 +63,17 @@ class Capacity:
         return m.output_tokens_per_s if m is not None and m.verdict == "met" else None
 
     @property
+    def bound(self) -> str:
+        """What ends the capacity: ``ttft`` or ``tbt`` when at the lowest rate not served only that target's pooled
+        p99 missed; empty when both did, neither did (attainment alone), or nothing was missed."""
+        above = [m for m in self.probes if m.verdict != "met" and m.rate >= self.high and m.figures is not None]
+        if not above:
+            return ""
+        verdicts = min(above, key=lambda m: m.rate).figures.verdicts  # type: ignore[union-attr]
+        missed = {k for k in ("tbt_p99", "ttft_p99") if verdicts.get(k) == "missed"}
+        return {frozenset({"tbt_p99"}): "tbt", frozenset({"ttft_p99"}): "ttft"}.get(frozenset(missed), "")
+
+    @property
     def rejected(self) -> str | None:
         last = self.probes[-1] if self.probes else None
         reason = last.reason if last is not None else None
@@ -83,6 +94,7 @@ class Capacity:
         return {"req_per_s": self.low, "bracket": [self.low, self.high if math.isfinite(self.high) else None],
                 "describe": self.describe(), "at_capacity": at.describe() if at is not None else None,
                 "resolved": self.resolved, "output_tokens_per_s": self.output_tokens_per_s, "stopped": self.stopped,
+                "bound": self.bound,
                 "probes": [probe_record(m) for m in self.probes]}
 
 
