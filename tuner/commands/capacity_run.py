@@ -183,7 +183,8 @@ class CapacityRun:
         for probe in default.user_attrs["capacity"].get("probes") or []:
             if "requests" in probe:
                 d.add(Sample(probe["rate"], -1, int(probe["attaining"]), int(probe["requests"]), probe.get("reason"),
-                             probe.get("output_tokens_per_s"), probe.get("describe", "")), self.p.measurement.level)
+                             probe.get("output_tokens_per_s"), probe.get("describe", ""),
+                             float(probe.get("design_effect", 1.0))), self.p.measurement.level)
         # a candidate's searched capacity is the best of the searched configs on one draw (the winner's curse): its
         # verdict starts one step below it, where fresh draws are likely to show it served
         step = 1 + 2 * self.p.capacity.resolution
@@ -204,7 +205,7 @@ class CapacityRun:
         say(f"  {c.name}, draw {draw}, {rate:.3g} req/s: {m.describe()}")
         f = m.figures
         return Sample(rate, draw, f.attaining if f else 0, f.requests if f else 0, m.reason, m.output_tokens_per_s,
-                      m.describe())
+                      m.describe(), f.design_effect if f else 1.0)
 
     def finish(self) -> int:
         p = self.p

@@ -102,7 +102,7 @@ def probe_record(m: Measurement) -> dict[str, Any]:
     """A probe as the study keeps it: its rate, verdict, counts and line (the verdict pools the default's)."""
     f = m.figures
     return {"rate": m.rate, "verdict": m.verdict, "requests": f.requests if f else 0,
-            "attaining": f.attaining if f else 0, "reason": m.reason,
+            "attaining": f.attaining if f else 0, "design_effect": f.design_effect if f else 1.0, "reason": m.reason,
             "output_tokens_per_s": m.output_tokens_per_s, "describe": m.describe()}
 
 

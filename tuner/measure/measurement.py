@@ -36,6 +36,8 @@ from tuner.measure.statistics import (
     DEFAULT_LEVEL,
     Interval,
     Verdict,
+    design_effect,
+    effective_proportion_interval,
     lower_verdict,
     proportion_interval,
     quantile_interval,
@@ -94,9 +96,11 @@ class Figures:
     tbt_p99: Interval
     ttft_p99: Interval
     verdicts: dict[str, Verdict]  # "attainment", "tbt_p99", and "ttft_p99" when the SLO has a TTFT target
+    design_effect: float = 1.0  # of the attainment: its interval is on the counts over this (statistics.py)
 
     def as_dict(self) -> dict[str, Any]:
         return {"requests": self.requests, "attaining": self.attaining, "gaps": self.gaps,
+                "design_effect": self.design_effect,
                 "attainment": self.attainment.as_dict(), "tbt_p99": self.tbt_p99.as_dict(),
                 "ttft_p99": self.ttft_p99.as_dict(), "verdicts": dict(self.verdicts)}
 
@@ -104,10 +108,12 @@ class Figures:
 def figures(records: list[RequestRecord], slo: SLO, spec: MeasurementSpec = MeasurementSpec()) -> Figures:
     """The intervals and verdicts of a set of window records."""
     n = len(records)
-    attaining = sum(attains(r, slo) for r in records)
+    outcomes = [attains(r, slo) for r in sorted(records, key=lambda r: r.intended_send_time)]
+    attaining = sum(outcomes)
     gaps = np.concatenate([token_gaps(r) for r in records]) if records else np.zeros(0)
     ttfts = np.array([r.ttft if math.isfinite(r.ttft) else math.inf for r in records], dtype=float)
-    att = proportion_interval(attaining, n, spec.level)
+    deff = design_effect(outcomes)
+    att = effective_proportion_interval(attaining, n, deff, spec.level)
     tbt = quantile_interval(gaps, 0.99, spec.level)
     with np.errstate(invalid="ignore"):  # a p99 between two infinite TTFTs is infinite, not NaN
         ttft = quantile_interval(ttfts, 0.99, spec.level)
@@ -118,7 +124,7 @@ def figures(records: list[RequestRecord], slo: SLO, spec: MeasurementSpec = Meas
         verdicts["tbt_p99"] = upper_verdict(tbt, slo.tbt_p99) if gaps.size >= spec.min_gaps else "undecided"
     if slo.ttft_p99 is not None:
         verdicts["ttft_p99"] = upper_verdict(ttft, slo.ttft_p99)
-    return Figures(n, attaining, int(gaps.size), att, tbt, ttft, verdicts)
+    return Figures(n, attaining, int(gaps.size), att, tbt, ttft, verdicts, deff)
 
 
 def should_stop(f: Figures) -> bool:
@@ -239,7 +245,8 @@ class Measurement:
                 f"p99 TBT {f.tbt_p99.format('ms', 1000, 3)}"
                 + (f" {v['tbt_p99']}" if "tbt_p99" in v else "")
                 + f", p99 TTFT {f.ttft_p99.format('s', 1, 2)}" + (f" {v['ttft_p99']}" if "ttft_p99" in v else "")
-                + f" [{f.requests} req, {f.gaps} gaps, {self.window_s:.0f}s")
+                + f" [{f.requests} req" + (f" (design effect {f.design_effect:.1f})" if f.design_effect > 1.05 else "")
+                + f", {f.gaps} gaps, {self.window_s:.0f}s")
         itl = self.engine_itl_p99
         if itl is not None:
             text += f"; engine-side p99 ITL <= {itl * 1000:.0f}ms"

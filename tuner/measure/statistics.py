@@ -4,7 +4,10 @@
   statistics of its samples: the number of samples below the true q-quantile is Binomial(n, q), so the ranks
   whose binomial probabilities enclose `level` bound it. With too few samples one side is unbounded (a p99 from
   150 gaps has no finite upper bound at 95 %: it cannot be shown to meet a target).
-- A share (attainment) gets the Clopper-Pearson interval of its binomial count.
+- A share (attainment) gets the Clopper-Pearson interval of its binomial count, on effective counts (the counts over
+  the design effect) when outcomes come in clusters: requests that queue behind one burst attain or miss together,
+  so n such requests carry less evidence than n independent ones. The design effect is estimated by batch means
+  over the requests in arrival order (:func:`design_effect`).
 - A ratio of two configs gets a t interval of the mean log ratio of paired repeats (the same arrival draw for both
   configs within a repeat), reported back on the ratio scale.
 
@@ -100,6 +103,40 @@ def proportion_interval(successes: int, trials: int, level: float = DEFAULT_LEVE
         return Interval(math.nan, 0.0, 1.0, level, 0)
     ci = stats.binomtest(successes, trials).proportion_ci(confidence_level=level, method="exact")
     return Interval(successes / trials, float(ci.low), float(ci.high), level, trials)
+
+
+BATCHES = 10  # batch means: this many batches of requests in arrival order ...
+MIN_BATCH = 5  # ... of at least this many requests each (fewer requests: no estimate, a design effect of 1)
+
+
+def design_effect(outcomes: Sequence[bool] | np.ndarray, batches: int = BATCHES, min_batch: int = MIN_BATCH) -> float:
+    """How many times the variance of a share of ``outcomes`` (in arrival order) exceeds the binomial one, from the
+    variance of the means of consecutive batches (the batch-means method for correlated series); at least 1, and 1
+    when the outcomes are too few for two batches or all equal."""
+    y = np.asarray(outcomes, dtype=float)
+    k = min(batches, y.size // min_batch)
+    p = float(y.mean()) if y.size else 0.0
+    if k < 2 or p <= 0.0 or p >= 1.0:
+        return 1.0
+    size = y.size // k
+    means = y[: k * size].reshape(k, size).mean(axis=1)
+    return max(1.0, size * float(means.var(ddof=1)) / (p * (1.0 - p)))
+
+
+def effective_proportion_interval(successes: float, trials: float, deff: float = 1.0,
+                                  level: float = DEFAULT_LEVEL) -> Interval:
+    """A share with the Clopper-Pearson interval of its effective counts (``successes`` and ``trials`` over the
+    design effect ``deff``; counts may be fractional: the beta quantiles take them); the estimate is the share,
+    ``n`` the requests."""
+    if deff <= 1.0 and float(successes).is_integer() and float(trials).is_integer():
+        return proportion_interval(int(successes), int(trials), level)
+    if trials <= 0:
+        return Interval(math.nan, 0.0, 1.0, level, 0)
+    x, n = successes / deff, trials / deff
+    alpha = 1.0 - level
+    low = float(stats.beta.ppf(alpha / 2, x, n - x + 1)) if x > 0 else 0.0
+    high = float(stats.beta.ppf(1 - alpha / 2, x + 1, n - x)) if x < n else 1.0
+    return Interval(successes / trials, low, high, level, int(round(trials)))
 
 
 def upper_verdict(estimate: Interval, target: float) -> Verdict:

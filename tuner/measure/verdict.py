@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from tuner.measure.measurement import TARGET_SHARE, MeasurementSpec, out_of_reach
-from tuner.measure.statistics import (DEFAULT_LEVEL, Interval, Verdict, lower_verdict, proportion_difference_interval,
-                                      proportion_interval)
+from tuner.measure.statistics import (DEFAULT_LEVEL, Interval, Verdict, effective_proportion_interval, lower_verdict,
+                                      proportion_difference_interval, proportion_interval)
 
 DEFAULT = "default"
 Outcome = Literal["better", "not better", "undecided"]
@@ -55,10 +55,12 @@ class Sample:
     failed: str | None = None  # a rejected config, a crashed engine: the config does not serve this rate
     output_tokens_per_s: float | None = None
     summary: str = ""  # the measurement's own line (its p99s with intervals)
+    design_effect: float = 1.0  # of its attainment (requests queueing behind one burst attain or miss together)
 
     def as_dict(self) -> dict[str, Any]:
         return {"rate": self.rate, "draw": self.draw, "attaining": self.attaining, "requests": self.requests,
-                "failed": self.failed, "output_tokens_per_s": self.output_tokens_per_s, "summary": self.summary}
+                "failed": self.failed, "output_tokens_per_s": self.output_tokens_per_s, "summary": self.summary,
+                "design_effect": self.design_effect}
 
 
 @dataclass
@@ -83,7 +85,18 @@ class Pool:
         return next((s.failed for s in self.samples if s.failed), None)
 
     def attainment(self) -> Interval:
-        return proportion_interval(self.attaining, self.requests, self.level)
+        """The pooled share, its interval on the samples' effective counts (each over its own design effect)."""
+        effective = sum(s.requests / s.design_effect for s in self.samples)
+        if not effective or all(s.design_effect == 1.0 for s in self.samples):
+            return proportion_interval(self.attaining, self.requests, self.level)
+        return effective_proportion_interval(self.attaining, self.requests, self.requests / effective, self.level)
+
+    def effective_counts(self) -> tuple[int, int]:
+        """(attaining, requests), each sample's over its design effect, rounded: what independent requests the
+        pool's evidence is worth."""
+        requests = sum(s.requests / s.design_effect for s in self.samples)
+        attaining = sum(s.attaining / s.design_effect for s in self.samples)
+        return int(round(attaining)), max(1, int(round(requests))) if self.requests else 0
 
     def verdict(self, share: float = TARGET_SHARE) -> Verdict:
         if self.failed:
@@ -209,8 +222,7 @@ class VerdictResult:
         mine, theirs = c.pool(rate), self.default.pool(rate)
         if mine is None or theirs is None or not mine.requests or not theirs.requests:
             return None
-        return proportion_difference_interval(mine.attaining, mine.requests, theirs.attaining, theirs.requests,
-                                              self.look)
+        return proportion_difference_interval(*mine.effective_counts(), *theirs.effective_counts(), self.look)
 
     def attains_more(self, c: Contender, rate: float) -> bool:
         """At ``rate``, which the candidate is shown to serve: the default is not shown to serve it, nor any rate
