@@ -40,29 +40,6 @@ inline float finish(float sum, const float* bias, const float* residual, int64_t
   return residual != nullptr ? residual[at] + sum : sum;
 }
 
-// The sums of 8 accumulators, in order, by a transposing tree of adds: 25 instructions where 8 horizontal
-// reductions take about 100 (at the model's K of 576 a tile's reductions were as many instructions as its
-// vdpbf16ps).
-inline __m256 sum8(const __m512* acc) {
-  __m256 h[8];
-  #pragma GCC unroll 8
-  for (int r = 0; r < 8; ++r)
-    h[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[r]),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1)));
-  // hadd(hadd(h0, h1), hadd(h2, h3)) = [h0..h3 summed over their low 128-bit lanes | over their high ones]
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
-// Outputs n0..n0+8 of one row from its 8 accumulators (finish() for 8 at once).
-inline void finish8(const __m512* acc, const float* bias, const float* residual, float* y, int64_t n0, int64_t at) {
-  __m256 sum = sum8(acc);
-  if (bias != nullptr) sum = _mm256_add_ps(sum, _mm256_loadu_ps(bias + n0));
-  if (residual != nullptr) sum = _mm256_add_ps(_mm256_loadu_ps(residual + at), sum);
-  _mm256_storeu_ps(y + at, sum);
-}
-
 // Output column n for M rows of x, U independent accumulators per row (as gemv_column in linear.cpp).
 template <int M, int U>
 __attribute__((always_inline)) inline void gemv_column(const c10::BFloat16* x, const c10::BFloat16* w,
@@ -137,18 +114,13 @@ __attribute__((always_inline)) inline void tile(const c10::BFloat16* x, const c1
       for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
     }
   }
-  if constexpr (NR == 8) {
+  #pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
     #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) finish8(acc[m], bias, residual, y, n0, (m0 + m) * N + n0);
-  } else {
-    #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m)
-      #pragma GCC unroll 16
-      for (int r = 0; r < NR; ++r) {
-        const int64_t n = n0 + r, at = (m0 + m) * N + n;
-        y[at] = finish(_mm512_reduce_add_ps(acc[m][r]), bias, residual, n, at);
-      }
-  }
+    for (int r = 0; r < NR; ++r) {
+      const int64_t n = n0 + r, at = (m0 + m) * N + n;
+      y[at] = finish(_mm512_reduce_add_ps(acc[m][r]), bias, residual, n, at);
+    }
 }
 
 template <int NR>
