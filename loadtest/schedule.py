@@ -13,7 +13,8 @@ import numpy as np
 
 from loadtest.arrivals import arrival_times, from_trace
 from loadtest.config import LoadConfig
-from loadtest.workloads import LengthOptions, RequestSpec, TraceWorkload, Workload, open_workload
+from loadtest.traces import TraceWorkload
+from loadtest.workloads import LengthOptions, RequestSpec, Workload, open_workload
 
 
 @dataclass

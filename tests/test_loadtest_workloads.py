@@ -14,7 +14,8 @@ import pytest
 from loadtest.config import LoadConfig
 from loadtest.schedule import build_schedule
 from loadtest.tokens import PromptBuilder, TokenSpace
-from loadtest.workloads import (AzureTraceWorkload, LengthOptions, MixedWorkload, MooncakeTraceWorkload,
+from loadtest.traces import AzureTraceWorkload, MooncakeTraceWorkload
+from loadtest.workloads import (LengthOptions, MixedWorkload,
                                 PrefixWorkload, parse_mix)
 
 REPO = Path(__file__).resolve().parents[1]

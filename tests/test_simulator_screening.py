@@ -10,7 +10,8 @@ import pytest
 from loadtest.summary import SLO
 from policies import parse_policy
 from tests.test_measurement import ScriptedBackend
-from tuner.search.screening import measured_steps, sample_configs, screen, screen_capacity, sim_runner_like
+from tuner.search.rescreen import measured_steps
+from tuner.search.screening import sample_configs, screen, screen_capacity, sim_runner_like
 from tuner.search.comparison import compare, grid_configs, space_configs
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.simulation.step_time_model import StepTimeModel
@@ -204,7 +205,8 @@ def test_the_screens_speed_converges_to_the_engines_as_real_trials_add_their_ste
     # from the first trial would screen every later trial at 3x; refitted to all the trials so far it converges.
     import optuna
 
-    from tuner.search.screening import Rescreen, load_profile, speed_scale
+    from tuner.search.rescreen import Rescreen, speed_scale
+    from tuner.search.screening import load_profile
 
     profile = load_profile()
     study = optuna.create_study(direction="maximize")
@@ -226,7 +228,8 @@ def test_the_screens_speed_converges_to_the_engines_as_real_trials_add_their_ste
 def test_each_next_screened_trial_is_the_best_at_the_speed_refitted_after_the_trial_before(tmp_path) -> None:
     import optuna
 
-    from tuner.search.screening import Rescreen, _sample, load_profile, speed_scale
+    from tuner.search.rescreen import Rescreen, speed_scale
+    from tuner.search.screening import _sample, load_profile
 
     profile = load_profile()
     configs = [params for _, params in _sample(POLICY, 3, seed=0)]
@@ -265,7 +268,8 @@ def test_after_a_config_one_target_bounds_the_next_is_the_best_that_target_does_
     ranking order."""
     import optuna
 
-    from tuner.search.screening import Rescreen, _sample, load_profile
+    from tuner.search.rescreen import Rescreen
+    from tuner.search.screening import _sample, load_profile
 
     profile = load_profile()
     configs = [params for _, params in _sample(POLICY, 4, seed=0)]

@@ -30,7 +30,7 @@ from tuner.measure.verdict import DEFAULT, Contender, Sample, VerdictResult, loo
 
 if TYPE_CHECKING:
     from tuner.commands.session import TuneSession
-    from tuner.search.screening import Rescreen
+    from tuner.search.rescreen import Rescreen
 
 PROG = "tune"
 SCREENED = 40  # configs the simulator screens for capacity when --screen is not given
@@ -108,8 +108,9 @@ class CapacityRun:
         best becomes the next trial, its search starting at its predicted capacity. After each trial the speed is
         refitted to all the real trials so far and, when it moved, the configs are screened again, so that each next
         screened trial is the best at the engine's present speed."""
-        from tuner.search.screening import (SCREEN_DRAWS, SCREEN_REDRAWN, Rescreen, engine_dtype, load_profile,
-                                            rescale_text, screen_capacity, sim_runner_like, speed_scale)
+        from tuner.search.rescreen import Rescreen, rescale_text, speed_scale
+        from tuner.search.screening import (SCREEN_DRAWS, SCREEN_REDRAWN, engine_dtype, load_profile, screen_capacity,
+                                            sim_runner_like)
         from tuner.simulation.step_time_model import StepTimeModel
 
         n = getattr(self.s.args, "screen", None) or SCREENED

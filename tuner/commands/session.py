@@ -23,7 +23,7 @@ from tuner.search.study import (ROLE_DEFAULT, TrialReport, best_trial, choose_ra
 from tuner.trials.trial_runner import TrialOutcome, TrialRunner
 
 if TYPE_CHECKING:
-    from tuner.search.screening import Rescreen
+    from tuner.search.rescreen import Rescreen
 
 PROG = "tune"
 
@@ -144,8 +144,8 @@ class TuneSession:
         configs are screened again, so that each next screened trial is the best at the engine's present speed
         (predicted against measured is printed at the end)."""
         # the simulator (it runs the engine's torch-free scheduler) is imported only when asked for
-        from tuner.search.screening import CONFIRMED, Rescreen, engine_dtype, load_profile, measured_steps, \
-            predicted, rescale_text, screen, sim_runner_like, speed_scale
+        from tuner.search.rescreen import Rescreen, measured_steps, rescale_text, speed_scale
+        from tuner.search.screening import CONFIRMED, engine_dtype, load_profile, predicted, screen, sim_runner_like
         from tuner.simulation.step_time_model import StepTimeModel
 
         if not measured_steps(study):

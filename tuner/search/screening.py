@@ -9,7 +9,6 @@ and confirm the best few on the engine (predicted against measured, side by side
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import warnings
 from dataclasses import dataclass, field, replace
@@ -29,21 +28,12 @@ from tuner.trials.trial_backend import TrialBackend
 from tuner.trials.trial_runner import TrialOutcome, TrialRunner
 
 CONFIRMED = 3  # how many of the best screened configs the study confirms on the engine
-# The screen is ranked again when the engine's speed (the profile's scale) moved by more than this share since the
-# ranking was made: a smaller change reorders nothing beyond the simulator's own step-to-step noise.
-RESCREEN_TOLERANCE = 0.02
 # The capacity screen (screen_capacity). The simulator is cheap, so its measurements are sized to decide (up to
 # SCREEN_CAP_S simulated seconds each) rather than to the engine's cap: at the engine's cap one draw's capacity of a
 # config moved between 0 and 1.5 req/s from draw to draw in the simulator. The best SCREEN_REDRAWN configs on the
 # first draw are searched on SCREEN_DRAWS draws in all and ranked by their worst: a config whose capacity holds on
 # every draw, not the luckiest one on a single draw.
 SCREEN_CAP_S = 300.0
-# After a searched config whose capacity the TTFT target ended (queueing at few sequences), the next screened trial
-# is the best config among the first HEDGE_WITHIN of the ranking that the TTFT target alone does not end, and the
-# same for TBT:
-# the simulator's error near one target (a TTFT edge, a step time near the TBT target) then does not decide alone
-# which kind of config the engine measures (in two runs an hour apart the screen's first pick changed kind).
-HEDGE_WITHIN = 8
 SCREEN_DRAWS = 3
 SCREEN_REDRAWN = 8
 COMPARED = ("goodput_rps", "throughput_rps", "tbt_p99", "ttft_p99", "attainment")
@@ -193,129 +183,6 @@ def engine_dtype(runner: TrialRunner | SimTrialRunner) -> str | None:
     handle = _live_handle(runner)
     health = handle.health() if handle else None
     return (health or {}).get("dtype")
-
-
-def measured_steps(study: optuna.Study) -> list[dict[str, Any]]:
-    """The engine's step records of the study's completed real trials (the steps.jsonl of every window under the
-    trial's folder, all of a capacity trial's probes included), each with its trial's block size."""
-    out: list[dict[str, Any]] = []
-    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-        block_size = (t.user_attrs.get("knobs") or {}).get("block_size")
-        folder = t.user_attrs.get("steps_dir") or t.user_attrs.get("trial_dir")
-        if t.user_attrs.get("simulated") or not folder or block_size is None:
-            continue
-        for path in sorted(Path(folder).rglob("steps.jsonl")):
-            out += [{**json.loads(line), "block_size": block_size} for line in path.read_text().splitlines()
-                    if line.strip()]
-    return out
-
-
-def speed_scale(model: StepTimeModel | None) -> float:
-    """The factor ``model``'s step times were rescaled by to the engine's (1.0: the profile as calibrated): the
-    geometric mean of its decode and prefill factors, one number whose move triggers a new ranking."""
-    r = (model.meta if model is not None else {}).get("rescaled") or {}
-    decode = float(r.get("scale", 1.0))
-    return math.sqrt(decode * float(r.get("prefill_scale", decode)))
-
-
-def rescale_text(model: StepTimeModel | None) -> str:
-    """``decode steps x0.54, prefill steps x0.59-0.91 (16-256 tokens) (rescaled to 786 engine steps)``; empty when
-    not rescaled."""
-    r = (model.meta if model is not None else {}).get("rescaled")
-    if model is None or not r:
-        return ""
-    prefill = f"x{r.get('prefill_scale', r['scale']):.2f}"
-    if model.prefill_exponent:
-        lo, hi = model.prefill_tokens
-        prefill = (f"x{model.prefill_factor_at(int(lo)) * r['scale']:.2f}-{model.prefill_factor_at(int(hi)) * r['scale']:.2f}"
-                   f" ({lo:.0f}-{hi:.0f} tokens)")
-    return f"decode steps x{r['scale']:.2f}, prefill steps {prefill} (rescaled to {r['steps']} engine steps)"
-
-
-# A screened config as the study enqueues it: the sampler's params, and the prediction kept in its user attrs.
-Candidate = tuple[dict[str, Any], dict[str, Any]]
-
-
-@dataclass
-class Rescreen:
-    """The screen kept at the engine's present speed, one screened trial at a time.
-
-    Before each screened trial the calibrated ``profile`` is rescaled to the step records of all the study's real
-    trials so far (:func:`measured_steps`, StepTimeModel.rescaled: one speed factor, the median measured/predicted
-    ratio of the pooled steps, so each trial adds its steps to the estimate rather than replacing it), and when that
-    factor moved by more than ``tolerance`` since the ranking was made, ``rank`` ranks the screened configs again on
-    the rescaled model. The next screened trial is the best config of the latest ranking that the study has not run;
-    ``top`` screened trials in all. ``profile`` None: a simulated engine, whose model needs no rescaling (ranked
-    once, with ``rank(None)``).
-
-    ``rank(model)`` simulates the screened configs with ``model``'s step times and returns them best first."""
-
-    profile: StepTimeModel | None
-    rank: Callable[[StepTimeModel | None], list[Candidate]]
-    top: int = CONFIRMED
-    tolerance: float = RESCREEN_TOLERANCE
-    model: StepTimeModel | None = None  # the model of the latest ranking
-    ranking: list[Candidate] = field(default_factory=list)
-    rankings: int = 0  # how many times it ranked
-
-    @property
-    def scale(self) -> float:
-        """The speed factor of the latest ranking."""
-        return speed_scale(self.model)
-
-    def fitted(self, study: optuna.Study) -> StepTimeModel | None:
-        """The profile rescaled to the step records of all the study's real trials (the profile itself while they
-        are too few)."""
-        if self.profile is None:
-            return None
-        steps = measured_steps(study)
-        return (self.profile.rescaled(steps) if steps else None) or self.profile
-
-    def refit(self, study: optuna.Study) -> bool:
-        """Rescale to the study's real trials so far; rank again when the speed moved beyond the tolerance (or
-        nothing was ranked yet). True when it ranked."""
-        model = self.fitted(study)
-        if self.rankings and abs(speed_scale(model) / self.scale - 1.0) <= self.tolerance:
-            return False
-        self.model, self.ranking = model, self.rank(model)
-        self.rankings += 1
-        return True
-
-    def due(self, study: optuna.Study) -> bool:
-        """Whether the study's next trial is a screened one: nothing waits in its queue and fewer than ``top``
-        screened trials were run, or are running."""
-        trials = study.get_trials(deepcopy=False)
-        if any(t.state == optuna.trial.TrialState.WAITING for t in trials):
-            return False
-        return sum(t.user_attrs.get("role") == "screened" and t.state in _LIVE for t in trials) < self.top
-
-    def enqueue_next(self, study: optuna.Study) -> Candidate | None:
-        """When a screened trial is :meth:`due`: refit, and enqueue the best config of the ranking that the study
-        has not tried (user attrs ``role: "screened"``, ``screen_rank``, ``screen_scale`` and the prediction).
-        Returns what it enqueued (None: nothing)."""
-        if not self.due(study):
-            return None
-        self.refit(study)
-        live = study.get_trials(deepcopy=False, states=_LIVE)
-        tried = {_key(t.params) for t in live}
-        untried = [(i, c) for i, c in enumerate(self.ranking) if _key(c[0]) not in tried]
-        # a hedge against the simulator's error in one latency: when every config searched so far was bound by one
-        # target, the best config (of those ranked near the top) that it does not bound
-        bounds = {t.user_attrs.get("screen_bound") or "" for t in live if t.user_attrs.get("role") == "screened"}
-        other = [(i, c) for i, c in untried[:HEDGE_WITHIN]
-                 if len(bounds) == 1 and "" not in bounds and (c[1].get("screen_bound") or "") not in bounds]
-        for i, (params, prediction) in (other or untried)[:1]:
-            study.enqueue_trial(params, user_attrs={"role": "screened", "screen_rank": i + 1,
-                                                    "screen_scale": self.scale, **prediction})
-            return params, prediction
-        return None
-
-
-_LIVE = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING)  # a failed trial may run again
-
-
-def _key(params: dict[str, Any]) -> str:
-    return json.dumps(params, sort_keys=True, default=str)
 
 
 def screen(policy: Policy, n: int, runner: SimTrialRunner | TrialRunner, seed: int = 0,
