@@ -161,6 +161,7 @@ class CapacityRun:
         """The trial's line, then the next screened trial, ranked at the engine's speed (not when no further search
         could start before the deadline: a ranking nobody searches is time the verdict loses)."""
         self.trial_line(r)
+        # run_trials' own rule for starting a search before its deadline
         starts = time.monotonic() + longest_trial_s(self.study) <= self.searches_deadline()
         if self.rescreen is not None and r.done < r.total and starts:
             self.rescreen.enqueue_next(self.study)

@@ -38,7 +38,7 @@ from typing import Any, Callable, Literal
 
 from tuner.measure.measurement import TARGET_SHARE, MeasurementSpec, out_of_reach
 from tuner.measure.statistics import (DEFAULT_LEVEL, Interval, Verdict, effective_proportion_interval, lower_verdict,
-                                      proportion_difference_interval, proportion_interval)
+                                      proportion_difference_interval)
 
 DEFAULT = "default"
 Outcome = Literal["better", "not better", "undecided"]
@@ -84,19 +84,23 @@ class Pool:
     def failed(self) -> str | None:
         return next((s.failed for s in self.samples if s.failed), None)
 
-    def attainment(self) -> Interval:
-        """The pooled share, its interval on the samples' effective counts (each over its own design effect)."""
+    def design_effect(self) -> float:
+        """The pool's design effect: its requests over their effective number (each sample's requests over its
+        own design effect); 1 for an empty pool."""
         effective = sum(s.requests / s.design_effect for s in self.samples)
-        if not effective or all(s.design_effect == 1.0 for s in self.samples):
-            return proportion_interval(self.attaining, self.requests, self.level)
-        return effective_proportion_interval(self.attaining, self.requests, self.requests / effective, self.level)
+        return self.requests / effective if effective else 1.0
+
+    def attainment(self) -> Interval:
+        """The pooled share, its interval on the pool's effective counts."""
+        return effective_proportion_interval(self.attaining, self.requests, self.design_effect(), self.level)
 
     def effective_counts(self) -> tuple[int, int]:
-        """(attaining, requests), each sample's over its design effect, rounded: what independent requests the
-        pool's evidence is worth."""
-        requests = sum(s.requests / s.design_effect for s in self.samples)
-        attaining = sum(s.attaining / s.design_effect for s in self.samples)
-        return int(round(attaining)), max(1, int(round(requests))) if self.requests else 0
+        """(attaining, requests) over the pool's design effect, rounded: what independent requests the pool's
+        evidence is worth (at least one request when it has any)."""
+        if not self.requests:
+            return 0, 0
+        deff = self.design_effect()
+        return int(round(self.attaining / deff)), max(1, int(round(self.requests / deff)))
 
     def verdict(self, share: float = TARGET_SHARE) -> Verdict:
         if self.failed:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -87,8 +88,8 @@ class ScreenedCapacity:
     @property
     def bound(self) -> str:
         """``ttft`` or ``tbt`` when that target ended the capacity on most draws, else empty."""
-        common = statistics.multimode(self.bounds) if self.bounds else [""]
-        return common[0] if len(common) == 1 and 2 * self.bounds.count(common[0]) > len(self.bounds) else ""
+        bound, n = Counter(self.bounds).most_common(1)[0] if self.bounds else ("", 0)
+        return bound if 2 * n > len(self.bounds) else ""
 
     @property
     def worst(self) -> float:
