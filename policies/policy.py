@@ -205,6 +205,9 @@ class CapacityPolicy:
     """The per-config rate search (tuner/measure/capacity.py)."""
 
     resolution: float = 0.15  # stop when the bracket's high/low <= 1 + resolution (> 0)
+    # the default config's search, coarser: the verdict measures the default again beside every candidate, and its
+    # low rates need long windows (a fine bracket there took half a run's searches)
+    default_resolution: float = 1.0
     max_probes: int = 6       # measurements per config at most (>= 1)
     start_rate: float = 1.0   # req/s of the first probe when nothing is known yet (> 0)
 

@@ -232,6 +232,7 @@ class MeasurementDoc(Doc):
 
 class CapacityDoc(Doc):
     resolution: float = Field(0.15, gt=0)
+    default_resolution: float = Field(1.0, gt=0)
     max_probes: int = Field(6, ge=1)
     start_rate: float = Field(1.0, gt=0)
 

@@ -47,6 +47,10 @@ def test_the_capacity_flow_on_the_simulator_writes_capacities_intervals_and_a_ve
     assert "floor: batch-1 p99 TBT" in out and "screened" in out
     assert re.search(r"\[1/3\] #0 default config \| capacity [\d.]+ req/s \(bracket ", out), out
     assert re.search(r"round 1: default .*; candidate 1 .* (better|not better|undecided)", out), out
+    # the default's search stops at a factor of 2: the verdict measures it again beside every candidate
+    low, high = map(float, re.search(r"#0 default config \| capacity [\d.]+ req/s \(bracket ([\d.]+)-([\d.]+)\)",
+                                     out).groups())  # type: ignore[union-attr]
+    assert low == 0 or high / low <= 2.0 + 1e-6, out
     last = out.strip().splitlines()[-1]
     assert last.startswith(("tuned serves ", "no config beats the default beyond the noise")), last
     assert "p99 TBT <= 50ms and p99 TTFT <= 2.00s" in last
@@ -74,6 +78,25 @@ def test_one_candidate_is_searched_even_when_the_default_s_search_spent_the_sear
     assert rc == 0, out
     assert re.search(r"\[2/3\] #1 seqs=", out) and "[3/3]" not in out, out
     assert "no further configs searched" in out and "candidate 1" in out
+
+
+def test_the_verdict_splits_its_error_rate_over_the_rounds_its_budget_holds(tmp_path: Path) -> None:
+    """Looks fixed before the first round, from the budget left: a budget that holds two full rounds gets two looks
+    at 97.5 % each (not four at 98.75 %), one that holds less than a round one look at the overall 95 %."""
+    policy = load_policy()
+    args = build_parser().parse_args(["--out", str(tmp_path / "tuned.yaml")])
+    storage = open_storage(f"sqlite:///{tmp_path}/study.db")
+    model = StepTimeModel.load(profile_path(None))
+    sim = SimTrialRunner(model, limits=limits_of(model), workload=policy.workload, duration=policy.trial_duration,
+                         warmup=policy.warmup, slo=SLO(0.05, 2.0))
+    session = TuneSession(args, policy, storage, None)
+    run = CapacityRun(session, sim, open_study(storage, session.study_name, policy), "sim")
+    full = run.full_round_s()
+    assert full == (1 + policy.verdict.candidates) * 3 * (policy.trial_duration + policy.warmup)  # a 45 s cap
+    for budget, looks in [(0.5 * full, 1), (2.5 * full, 2), (100 * full, policy.verdict.max_rounds)]:
+        run.looks = run.planned_looks(budget)
+        assert run.looks == looks
+        assert run.verdict_spec().level == pytest.approx(1 - (1 - policy.measurement.level) / looks)
 
 
 def test_an_slo_below_the_simulated_floor_stops_before_searching(

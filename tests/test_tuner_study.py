@@ -28,8 +28,9 @@ from tuner.measure.measurement import MeasurementSpec
 from tuner.search.objective import constraints_func, evaluate_capacity
 from tuner.trials.pruning import PruneWatcher, gaps_above, itl_buckets
 from tuner.search.structured_start import ROLE_START, START_STEP_ATTR, startup_trials
+from tuner.search.auto_rate import choose_rate
 from tuner.search.study import (HEARTBEAT_STALE_S, ROLE_DEFAULT, SURPLUS_ATTR, Heartbeat, StorageError, best_trial,
-                         choose_rate, closest_trial, counted_trials, default_trial, enqueue_default, is_surplus,
+                         closest_trial, counted_trials, default_trial, enqueue_default, is_surplus,
                          open_storage, open_study, recover_orphans, run_trials)
 from tuner.trials.trial_runner import TrialOutcome, feasibility, step_stats
 
@@ -314,6 +315,22 @@ def test_capacity_objective_searches_the_rate_and_learns_from_neighbours(tmp_pat
     none = evaluate_capacity(CapacitySearcher(RateScripted(0.0, capacity=0.0), spec, ["max_num_seqs"],
                                               max_probes=3), {"max_num_seqs": 64}, tmp_path / "c")
     assert none.value == 0.0 and not none.outcome.feasible and none.constraints[0] > 0
+
+
+def test_the_default_config_s_search_stops_at_its_coarser_resolution(tmp_path: Path) -> None:
+    """The default's bracket ends within a factor of 2 (the verdict measures it again beside each candidate); a
+    searched config's is bisected to the policy's 15 %."""
+    policy = load_policy().replace(objective="capacity", sampler="random", start="random")
+    assert policy.capacity.default_resolution == 1.0
+    searcher = CapacitySearcher(RateScripted(0.0), MeasurementSpec(max_segments=2), ["max_num_seqs"],
+                                resolution=policy.capacity.resolution, max_probes=8)
+    study = open_study(open_storage(f"sqlite:///{tmp_path}/s.db"), "coarse-default", policy)
+    enqueue_default(study)
+    assert run_trials(study, RateScripted(0.0), policy, 2, tmp_path, searcher=searcher) == 2
+    default, searched = (t.user_attrs["capacity"] for t in study.trials)
+    assert [p["rate"] for p in default["probes"]] == [1.0, 2.0, 4.0] and default["bracket"] == [2.0, 4.0]
+    low, high = searched["bracket"]
+    assert searched["resolved"] and high / low <= 1.15 + 1e-9
 
 
 @dataclass

@@ -52,6 +52,7 @@ class CapacityRun:
         self.searcher.on_probe = self.probe_line
         self.floor: dict[str, Any] = {}
         self.rescreen: Rescreen | None = None  # the screen kept at the engine's speed
+        self.looks = self.p.verdict.max_rounds  # the verdict's looks (planned_looks, from what is left of the budget)
 
     def probe_line(self, m: Measurement) -> None:
         say(f"    {m.rate:.3g} req/s: {m.describe()}")
@@ -154,8 +155,18 @@ class CapacityRun:
         """The longest one verdict round should take: the default and each candidate measured up to the cap
         (``max_segments`` windows of warm-up and window each), half again for the engine's idle waits between
         windows."""
+        return 1.5 * self.full_round_s()
+
+    def full_round_s(self) -> float:
+        """A verdict round with every measurement at the cap (warm-up and window each), no idle waits."""
         p = self.p
-        return 1.5 * (1 + p.verdict.candidates) * self.verdict_spec().max_segments * (p.trial_duration + p.warmup)
+        return (1 + p.verdict.candidates) * self.searcher.spec.max_segments * (p.trial_duration + p.warmup)
+
+    def planned_looks(self, budget: float) -> int:
+        """The verdict's looks, fixed before its first round: the full rounds its budget holds (the policy's
+        max_rounds at most, one at least). Each look gets a Bonferroni share of the error rate: a budget that holds
+        two rounds is not split four ways (a round of run-1 this afternoon was undecided at 98.75 % per look)."""
+        return max(1, min(self.p.verdict.max_rounds, int(budget // self.full_round_s())))
 
     def after_trial(self, r: TrialReport) -> None:
         """The trial's line, then the next screened trial, ranked at the engine's speed (not when no further search
@@ -195,7 +206,7 @@ class CapacityRun:
 
     def verdict_spec(self) -> MeasurementSpec:
         """The measurement's sizing at the verdict's per-look level."""
-        return replace(self.searcher.spec, level=look_level(self.p.measurement.level, self.p.verdict.max_rounds))
+        return replace(self.searcher.spec, level=look_level(self.p.measurement.level, self.looks))
 
     def measure_at(self, c: Contender, rate: float, draw: int) -> Sample:
         """One measurement of the contender at ``rate`` on arrival draw ``draw``, sized at the verdict's per-look
@@ -214,16 +225,17 @@ class CapacityRun:
         default, candidates = self.contenders()
         if not candidates and not any(t.values[0] > 0 for t in measured(self.study) if "capacity" in t.user_attrs):
             return self.none_shown()
-        say(f"{PROG}: verdict: the default and {len(candidates)} candidate(s) at fixed rates (a candidate one step "
-            f"below its searched capacity, the default beside it), requests pooled per rate over fresh arrival draws, "
-            f"the same draw for every config in a round, up to {p.verdict.max_rounds} rounds or "
-            f"{format_duration(p.verdict.budget)} ...")
         # the verdict gets its budget, or what is left of the run's when the searches ran late (one round at least)
         budget = max(0.0, min(p.verdict.budget, self.s.started + p.time_budget - time.monotonic()))
+        self.looks = self.planned_looks(budget)
+        say(f"{PROG}: verdict: the default and {len(candidates)} candidate(s) at fixed rates (a candidate one step "
+            f"below its searched capacity, the default beside it), requests pooled per rate over fresh arrival draws, "
+            f"the same draw for every config in a round, up to {self.looks} rounds (looks at "
+            f"{self.verdict_spec().level:.2%} each) or {format_duration(budget)} ...")
         # a candidate steps down no lower than the default's capacity (below it, shown served cannot be better) nor
         # than the lowest rate a measurement can show served at, at the verdict's per-look level
         floor = max(default.shown_served(), self.verdict_spec().lowest_rate_to_show())
-        result = paired_verdict(default, candidates, self.measure_at, p.verdict.max_rounds, budget,
+        result = paired_verdict(default, candidates, self.measure_at, self.looks, budget,
                                 p.measurement.level, step=1 + 2 * p.capacity.resolution, floor=floor,
                                 on_round=self.round_line)
         chosen, held = self.choose(result)

@@ -17,7 +17,8 @@ from slotune.units import format_duration
 from policies import Policy
 from tuner.trials.engine_handle import EngineError, EngineHandle, ManagedEngine
 from tuner.output import short_knobs, write_report, write_tuned_yaml, write_vllm
-from tuner.search.study import (ROLE_DEFAULT, TrialReport, best_trial, choose_rate, closest_trial, counted_trials,
+from tuner.search.auto_rate import choose_rate
+from tuner.search.study import (ROLE_DEFAULT, TrialReport, best_trial, closest_trial, counted_trials,
                          default_trial, enqueue_default, open_study, recover_orphans, run_trials,
                          study_name_for)
 from tuner.trials.trial_runner import TrialOutcome, TrialRunner

@@ -204,7 +204,8 @@ class CapacitySearcher:
     on_probe: Callable[[Measurement], None] | None = None
 
     def search(self, knobs: dict[str, Any], out_dir: Path, draw: int = 0, start: float | None = None,
-               step: float | None = None, max_probes: int | None = None) -> Capacity:
+               step: float | None = None, max_probes: int | None = None,
+               resolution: float | None = None) -> Capacity:
         first, first_step = start_from_known(knobs, self.known, self.names, self.start_rate)
         probes: list[int] = []
 
@@ -217,7 +218,7 @@ class CapacitySearcher:
 
         # never start where a measurement could not show the share met (a start from a neighbour that served nothing)
         first = max(start if start is not None else first, self.spec.lowest_rate_to_show())
-        cap = search_capacity(probe, knobs, first, self.resolution,
+        cap = search_capacity(probe, knobs, first, resolution or self.resolution,
                               max_probes or self.max_probes, step or first_step, self.on_probe,
                               self.spec.can_show_met)
         if not cap.rejected:

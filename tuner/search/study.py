@@ -1,5 +1,5 @@
 """The Optuna study of ``tune``: storage (SQLite file, any RDB URL, or a journal file), sampler, the trial loop
-shared safely by several processes, the choice of the offered rate (``--rate auto``) and the best trial.
+shared safely by several processes and the best trial (the offered rate of ``--rate auto``: tuner/search/auto_rate.py).
 
 Several ``tune`` processes may share one study (an RDB or journal storage) against several engines: each counts
 the study's finished and running trials before it asks for the next one, so together they run the requested
@@ -23,7 +23,6 @@ from typing import Any, Callable, Literal
 import optuna
 from optuna.trial import TrialState
 
-from loadtest.summary import SLO
 from policies import Policy
 from tuner.search.objective import (CONSTRAINTS_ATTR, Evaluation, constraints_func, evaluate_capacity, evaluate_goodput,
                              meets_constraints, suggest_knobs)
@@ -305,13 +304,7 @@ def run_trials(study: optuna.Study, runner: TrialRunner | TrialBackend, policy: 
         started = time.monotonic()
         try:
             with Heartbeat(trial):
-                if policy.objective == "capacity":
-                    # a screened config's search starts at the simulator's predicted capacity, when it has one
-                    ev: Evaluation = evaluate_capacity(searcher or capacity_searcher(runner, policy), knobs,
-                                                       trial_dir, trial.user_attrs.get("screen_predicted_capacity"))
-                else:
-                    # the default config is the baseline of the report: measured over the whole window
-                    ev = evaluate_goodput(runner, knobs, trial_dir, prune=role != ROLE_DEFAULT)
+                ev = _evaluate(trial, role, knobs, runner, policy, trial_dir, searcher)
         except BaseException:
             study.tell(trial, state=TrialState.FAIL)  # Ctrl-C/fatal error: the slot is run again on resume
             raise
@@ -341,54 +334,20 @@ def run_trials(study: optuna.Study, runner: TrialRunner | TrialBackend, policy: 
     return ran
 
 
+def _evaluate(trial: optuna.Trial, role: str, knobs: dict[str, Any], runner: TrialRunner | TrialBackend,
+              policy: Policy, trial_dir: Path, searcher: CapacitySearcher | None) -> Evaluation:
+    if policy.objective == "capacity":
+        # a screened config's search starts at the simulator's predicted capacity, when it has one; the default's
+        # stops at its own, coarser resolution
+        return evaluate_capacity(searcher or capacity_searcher(runner, policy), knobs, trial_dir,
+                                 trial.user_attrs.get("screen_predicted_capacity"),
+                                 policy.capacity.default_resolution if role == ROLE_DEFAULT else None)
+    # the default config is the baseline of the report: measured over the whole window
+    return evaluate_goodput(runner, knobs, trial_dir, prune=role != ROLE_DEFAULT)
+
+
 def _jsonable(v: Any) -> Any:
     return json.loads(json.dumps(v, default=str))
-
-
-# ------------------------------------------------------------------------------------------------ rate auto
-
-@dataclass
-class RateChoice:
-    rate: float
-    reason: str
-    probes: list[dict[str, Any]]
-
-
-def choose_rate(runner: TrialRunner, out_dir: Path, start: float = 1.0, max_probes: int = 6,
-                on_probe: Callable[[float, TrialOutcome], None] | None = None) -> RateChoice:
-    """An offered load at which the default config (the runner's base knobs) cannot fully serve within the SLO:
-    probe ``start`` req/s and double until the default's attainment drops below 90 %, confirmed by a second probe
-    at the same rate. A failure the repeat does not confirm marks a rate at the edge of the default's capacity,
-    where the machine's noise decides (there the default trial may well pass, and the study could not tell the
-    configs apart): the doubling goes on. When the probes run out, the last failing rate (else the highest)."""
-    assert isinstance(runner.slo, SLO)
-    probes: list[dict[str, Any]] = []
-    rate, failures_here = start, 0
-    for i in range(max_probes):
-        o = runner.run({}, out_dir / f"rate-probe-{i}", rate=rate)
-        att = o.summary.get("attainment") if o.summary else None
-        probes.append({"rate": rate, "attainment": att, "tbt_p99": o.summary.get("tbt_p99") if o.summary else None,
-                       "goodput_rps": o.summary.get("goodput_rps") if o.summary else None, "reason": o.reason})
-        if on_probe is not None:
-            on_probe(rate, o)
-        if att is None or att < 0.9:
-            failures_here += 1
-            if failures_here == 2 or i == max_probes - 1:
-                how = "no request attained" if att is None else f"attainment {att:.0%} < 90%"
-                confirmed = "twice" if failures_here == 2 else "once (no probe left to confirm it)"
-                return RateChoice(rate, f"default config at {rate:.3g} req/s: {how} ({o.reason or 'within the SLO'}),"
-                                        f" {confirmed}; probes: {_probe_text(probes)}", probes)
-            continue  # the same rate again
-        failures_here = 0
-        rate *= 2
-    rate /= 2
-    return RateChoice(rate, f"the default config attained >= 90% up to {rate:.3g} req/s in {max_probes} probes; "
-                            f"using the highest probed rate ({_probe_text(probes)})", probes)
-
-
-def _probe_text(probes: list[dict[str, Any]]) -> str:
-    return ", ".join(f"{p['rate']:.3g} req/s -> " + ("-" if p["attainment"] is None else f"{p['attainment']:.0%}")
-                     for p in probes)
 
 
 def study_name_for(policy: Policy, rate: float | None) -> str:
