@@ -4,6 +4,7 @@ answers (no engine: each scripted trial writes a real trial folder of records th
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 
 from loadtest.records import RequestRecord, write_records
 from loadtest.summary import SLO, summarize
-from tuner.measure.capacity import knob_distance, next_rate, search_capacity, start_from_known
+from tuner.measure.capacity import CapacitySearcher, knob_distance, next_rate, search_capacity, start_from_known
 from tuner.measure.measurement import Figures, Measurement, MeasurementSpec, figures, measure, should_stop
 from tuner.measure.statistics import Interval, Verdict
 from tuner.trials.trial_runner import TrialOutcome
@@ -170,6 +171,25 @@ def test_a_config_that_serves_nothing_has_capacity_zero_and_a_rejected_one_stops
     rejected = Measurement({}, 1.0, None, reason="rejected by the engine: chunk_size > max_num_batched_tokens")
     cap2 = search_capacity(lambda r: rejected, {}, start=1.0, max_probes=6)
     assert len(cap2.probes) == 1 and cap2.rejected
+
+
+def test_a_search_past_its_deadline_starts_no_further_probe_and_keeps_its_bracket(tmp_path: Path) -> None:
+    """The searches' deadline leaves the verdict its rounds: a search that started in time stops probing at it
+    (its first probe always runs) and keeps what it found."""
+    probed: list[float] = []
+
+    def probe(rate: float) -> Measurement:
+        probed.append(rate)
+        return truth(3.0)(rate)
+
+    cap = search_capacity(probe, {}, start=1.0, resolution=0.15, max_probes=8,
+                          time_up=lambda: "time is up" if len(probed) >= 3 else None)
+    assert probed == [1.0, 2.0, 4.0] and (cap.low, cap.high) == (2.0, 4.0) and cap.stopped == "time is up"
+    assert not cap.resolved and cap.feasible
+    searcher = CapacitySearcher(ScriptedBackend(0.0), MeasurementSpec(max_segments=1), ["max_num_seqs"],
+                                deadline=time.monotonic() - 1)
+    late = searcher.search({"max_num_seqs": 4}, tmp_path)
+    assert len(late.probes) == 1 and "time is up" in late.stopped
 
 
 def test_known_neighbours_start_the_search_near_their_capacity() -> None:

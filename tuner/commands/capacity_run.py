@@ -87,11 +87,14 @@ class CapacityRun:
             # how long a candidate's takes (started at its predicted capacity, its windows fill faster)
             run_trials(self.study, self.runner, p, p.trials, self.s.trials_dir, on_trial=self.after_trial,
                        searcher=self.searcher, max_runs=1)
+        # the further searches stop probing at the deadline too: a search that started in time cannot run into the
+        # verdict's rounds
+        self.searcher.deadline = self.searches_deadline()
         run_trials(self.study, self.runner, p, p.trials, self.s.trials_dir, on_trial=self.after_trial,
-                   searcher=self.searcher, deadline=self.searches_deadline())
+                   searcher=self.searcher, deadline=self.searcher.deadline)
         if len(measured(self.study)) < p.trials:
-            say(f"{PROG}: the time budget ({format_duration(p.time_budget)}) leaves the verdict a round "
-                f"({format_duration(min(p.verdict.budget, self.verdict_round_s()))}): no further configs searched "
+            say(f"{PROG}: the time budget ({format_duration(p.time_budget)}) leaves the verdict two rounds "
+                f"({format_duration(self.verdict_reserve_s())}): no further configs searched "
                 f"(the longest search so far took {format_duration(longest_trial_s(self.study))})")
         return self.finish()
 
@@ -145,17 +148,15 @@ class CapacityRun:
         rescreen.enqueue_next(self.study)
 
     def searches_deadline(self) -> float:
-        """The further searches leave the verdict one round (its budget at most): a search is not started unless
-        the longest so far would end before this (a time.monotonic()). A second candidate searched is worth more
-        than the verdict's later rounds: the first round decides when the candidate is clearly better, and the
-        screen's first pick is often not the engine's best."""
-        return self.s.started + self.p.time_budget - min(self.p.verdict.budget, self.verdict_round_s())
+        """The further searches leave the verdict two full rounds (its budget at most): a search is not started
+        unless the longest so far would end before this (a time.monotonic()), and starts no probe after it. A second
+        candidate searched is worth more than the verdict's later rounds, but not than its second: a candidate's
+        first rate (one step below its search's claim, on one draw) is often above what fresh draws show served,
+        and the second round steps down."""
+        return self.s.started + self.p.time_budget - self.verdict_reserve_s()
 
-    def verdict_round_s(self) -> float:
-        """The longest one verdict round should take: the default and each candidate measured up to the cap
-        (``max_segments`` windows of warm-up and window each), half again for the engine's idle waits between
-        windows."""
-        return 1.5 * self.full_round_s()
+    def verdict_reserve_s(self) -> float:
+        return min(self.p.verdict.budget, 2 * self.full_round_s())
 
     def full_round_s(self) -> float:
         """A verdict round with every measurement at the cap (warm-up and window each), no idle waits."""

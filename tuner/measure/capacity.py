@@ -13,6 +13,7 @@ base + i, so that the bracket is not one draw's luck.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -120,12 +121,18 @@ def next_rate(low: float, high: float, start: float, step: float) -> float:
 def search_capacity(probe: Callable[[float], Measurement], knobs: dict[str, Any], start: float,
                     resolution: float = 0.15, max_probes: int = 6, step: float = 2.0,
                     on_probe: Callable[[Measurement], None] | None = None,
-                    can_show_met: Callable[[float], bool] | None = None) -> Capacity:
+                    can_show_met: Callable[[float], bool] | None = None,
+                    time_up: Callable[[], str | None] | None = None) -> Capacity:
     """Bracket and bisect the capacity of ``knobs``; ``probe(rate)`` measures it at a rate. ``can_show_met(rate)``
     (MeasurementSpec.can_show_met): whether a measurement at that rate holds enough requests to show the share met;
-    with no rate served yet, the search does not go down to a rate that cannot."""
+    with no rate served yet, the search does not go down to a rate that cannot. ``time_up()``: why no further probe
+    may start (None: it may); the first probe always runs."""
     cap = Capacity(dict(knobs), resolution=resolution)
     while len(cap.probes) < max_probes:
+        late = time_up() if time_up is not None and cap.probes else None
+        if late:
+            cap.stopped = late
+            return cap
         rate = next_rate(cap.low, cap.high, start, step)
         if rate < MIN_RATE:
             cap.stopped = f"not served at {cap.high:.3g} req/s, the lowest rate searched"
@@ -202,6 +209,7 @@ class CapacitySearcher:
     start_rate: float = 1.0
     known: list[tuple[dict[str, Any], float, float]] = field(default_factory=list)
     on_probe: Callable[[Measurement], None] | None = None
+    deadline: float | None = None  # a time.monotonic() after which a search starts no further probe
 
     def search(self, knobs: dict[str, Any], out_dir: Path, draw: int = 0, start: float | None = None,
                step: float | None = None, max_probes: int | None = None,
@@ -220,10 +228,16 @@ class CapacitySearcher:
         first = max(start if start is not None else first, self.spec.lowest_rate_to_show())
         cap = search_capacity(probe, knobs, first, resolution or self.resolution,
                               max_probes or self.max_probes, step or first_step, self.on_probe,
-                              self.spec.can_show_met)
+                              self.spec.can_show_met, self.time_up)
         if not cap.rejected:
             self.known.append((cap.knobs, cap.low, cap.high))
         return cap
+
+
+    def time_up(self) -> str | None:
+        if self.deadline is None or time.monotonic() < self.deadline:
+            return None
+        return "the searches' time is up (the rest is the verdict's)"
 
 
 def capacity_searcher(runner: TrialBackend, policy: Policy) -> CapacitySearcher:  # a TrialRunner or SimTrialRunner
