@@ -166,7 +166,7 @@ class CapacityRun:
     def planned_looks(self, budget: float) -> int:
         """The verdict's looks, fixed before its first round: the full rounds its budget holds (the policy's
         max_rounds at most, one at least). Each look gets a Bonferroni share of the error rate: a budget that holds
-        two rounds is not split four ways (a round of run-1 this afternoon was undecided at 98.75 % per look)."""
+        two rounds is not split four ways, which would leave each round's pools wider than they need to be."""
         return max(1, min(self.p.verdict.max_rounds, int(budget // self.full_round_s())))
 
     def after_trial(self, r: TrialReport) -> None:
