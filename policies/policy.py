@@ -219,6 +219,7 @@ class VerdictPolicy:
     candidates: int = 2       # best configs re-measured beside the default (>= 1)
     max_rounds: int = 4       # paired rounds at most (>= 2)
     budget: float = 300.0     # seconds the rounds may take in all (> 0)
+    window: float = 60.0      # each measurement one sustained window this long (0: windows in turn, as a search's)
 
 
 @dataclass(frozen=True)

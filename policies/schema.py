@@ -241,6 +241,7 @@ class VerdictDoc(Doc):
     candidates: int = Field(2, ge=1)
     max_rounds: int = Field(4, ge=2)
     budget: PositiveSeconds = 300.0
+    window: Seconds = 60.0
 
 
 class PruningDoc(Doc):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -92,7 +93,12 @@ def test_the_verdict_splits_its_error_rate_over_the_rounds_its_budget_holds(tmp_
     session = TuneSession(args, policy, storage, None)
     run = CapacityRun(session, sim, open_study(storage, session.study_name, policy), "sim")
     full = run.full_round_s()
-    assert full == (1 + policy.verdict.candidates) * 3 * (policy.trial_duration + policy.warmup)  # a 45 s cap
+    # each measurement one sustained 60 s window and its warm-up
+    assert full == (1 + policy.verdict.candidates) * (policy.verdict.window + policy.warmup)
+    assert run.verdict_spec().sustained_s == policy.verdict.window == 60.0
+    windows = CapacityRun(TuneSession(args, policy.replace(verdict=replace(policy.verdict, window=0.0)), storage, None),
+                          sim, open_study(storage, session.study_name, policy), "sim")
+    assert windows.full_round_s() == (1 + policy.verdict.candidates) * 3 * (policy.trial_duration + policy.warmup)
     for budget, looks in [(0.5 * full, 1), (2.5 * full, 2), (100 * full, policy.verdict.max_rounds)]:
         run.looks = run.planned_looks(budget)
         assert run.looks == looks

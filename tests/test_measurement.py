@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +253,54 @@ def test_on_the_simulator_the_capacity_bracket_separates_served_from_not_served_
     sent_b = [r.intended_send_time - window_records(b.segments[0])[0].intended_send_time
               for r in window_records(b.segments[0])]
     assert sent_a == pytest.approx(sent_b)
+
+
+@dataclass
+class QueueBackend:
+    """One server, first come first served, each request holding it ``service_s`` (10 tokens, 20 ms apart after a
+    70 ms first token), arrivals evenly spaced at the offered rate from an idle start: above 1 / service_s the queue,
+    and every later request's TTFT, grows for as long as the load lasts."""
+
+    service_s: float = 0.25
+    warmup: float = 3.0
+    duration: float = 15.0
+    slo: SLO = SLO_50MS
+    simulated: bool = True
+
+    def run(self, knobs: dict[str, Any], out_dir: Path, rate: float | None = None, seed: int | None = None,
+            duration: float | None = None) -> TrialOutcome:
+        assert rate is not None
+        length = self.warmup + (duration or self.duration)
+        recs, free = [], 0.0
+        for i in range(int(length * rate)):
+            at = i / rate
+            start = max(at, free)
+            free = start + self.service_s
+            times = list(start + 0.07 + 0.02 * np.arange(10))
+            recs.append(RequestRecord(index=i, scheduled_at=at, intended_send_time=at, actual_send_time=at,
+                                      output_tokens=10, ttft=times[0] - at, token_times=times, finish_time=free))
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        write_records(str(Path(out_dir) / "records.parquet"), recs)
+        summary = summarize(recs, self.slo, window=(self.warmup, length))
+        return TrialOutcome(dict(knobs), summary, {}, True, None, Path(out_dir), simulated=True, rate=rate)
+
+
+def test_a_sustained_window_does_not_show_served_a_rate_whose_queue_grows_slower_than_a_window(
+        tmp_path: Path) -> None:
+    """4.4 req/s against a server of 4 req/s: each window from an idle start ends with 1.8 s of queue, under the
+    2 s TTFT bound, so windows in turn show the rate served; one sustained minute of it leaves most requests
+    queued for longer than 2 s."""
+    spec = MeasurementSpec(max_segments=3, window_s=15.0)
+    windows = measure(QueueBackend(), {}, 4.4, tmp_path / "windows", 0, spec)
+    sustained = measure(QueueBackend(), {}, 4.4, tmp_path / "sustained", 0, replace(spec, sustained_s=60.0))
+    assert windows.verdict == "met" and windows.window_s == 15.0
+    assert sustained.verdict == "missed" and len(sustained.segments) == 1 and sustained.window_s == 60.0
+    assert sustained.figures is not None and sustained.figures.attainment.value < 0.5
+    # below the server's rate nothing queues: both show it served
+    steady = measure(QueueBackend(), {}, 3.6, tmp_path / "steady", 0, replace(spec, sustained_s=60.0))
+    assert steady.verdict == "met" and steady.window_s == 60.0
+    # at a low rate the one window is as long as the windows the cap holds there laid end to end
+    assert replace(spec, sustained_s=60.0).sustained_window_at(0.1) == 9 * 15.0
 
 
 def test_the_cap_grows_at_low_rates_so_a_window_can_hold_enough_requests() -> None:

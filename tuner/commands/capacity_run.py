@@ -161,7 +161,9 @@ class CapacityRun:
     def full_round_s(self) -> float:
         """A verdict round with every measurement at the cap (warm-up and window each), no idle waits."""
         p = self.p
-        return (1 + p.verdict.candidates) * self.searcher.spec.max_segments * (p.trial_duration + p.warmup)
+        measurement = (self.verdict_spec().sustained_window_at(math.inf) + p.warmup if p.verdict.window > 0
+                       else self.searcher.spec.max_segments * (p.trial_duration + p.warmup))
+        return (1 + p.verdict.candidates) * measurement
 
     def planned_looks(self, budget: float) -> int:
         """The verdict's looks, fixed before its first round: the full rounds its budget holds (the policy's
@@ -206,8 +208,10 @@ class CapacityRun:
                              search_high=high(t), next_rate=t.values[0] / step) for i, t in enumerate(others)]
 
     def verdict_spec(self) -> MeasurementSpec:
-        """The measurement's sizing at the verdict's per-look level."""
-        return replace(self.searcher.spec, level=look_level(self.p.measurement.level, self.looks))
+        """The measurement's sizing at the verdict's per-look level, in one sustained window of the policy's
+        ``verdict.window``: a capacity claimed is one the engine sustains that long."""
+        return replace(self.searcher.spec, level=look_level(self.p.measurement.level, self.looks),
+                       sustained_s=self.p.verdict.window)
 
     def measure_at(self, c: Contender, rate: float, draw: int) -> Sample:
         """One measurement of the contender at ``rate`` on arrival draw ``draw``, sized at the verdict's per-look
@@ -231,7 +235,10 @@ class CapacityRun:
         self.looks = self.planned_looks(budget)
         say(f"{PROG}: verdict: the default and {len(candidates)} candidate(s) at fixed rates (a candidate one step "
             f"below its searched capacity, the default beside it), requests pooled per rate over fresh arrival draws, "
-            f"the same draw for every config in a round, up to {self.looks} rounds (looks at "
+            f"the same draw for every config in a round, each measurement "
+            + (f"one sustained window of {format_duration(self.verdict_spec().sustained_window_at(math.inf))}"
+               if p.verdict.window > 0 else "in windows until decided")
+            + f", up to {self.looks} rounds (looks at "
             f"{self.verdict_spec().level:.2%} each) or {format_duration(budget)} ...")
         # a candidate steps down no lower than the default's capacity (below it, shown served cannot be better) nor
         # than the lowest rate a measurement can show served at, at the verdict's per-look level

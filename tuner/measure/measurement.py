@@ -17,6 +17,12 @@ reading of the attainment so far the rest are unlikely to): an attainment at the
 hundreds of requests, and more windows only spend the run's time. At the cap (``max_segments``) whatever is still
 undecided is reported as "undecided", never as met or missed. A segment that fails (rejected config, crashed engine, failed
 load test) ends the measurement as "missed" with its reason, as a failed trial always was.
+
+Every window starts from an idle engine. Near a config's TTFT knee the queue builds for longer than one window,
+so windows in turn read a rate as served that a minute of it is not (a window's first requests find no queue). A
+*sustained* measurement (``sustained_s``, the verdict's) runs the cap's requests as one contiguous window instead,
+the length of the independent check of a claimed capacity: a rate it shows served is one the engine sustains that
+long, not one it starts well at.
 """
 
 from __future__ import annotations
@@ -60,6 +66,12 @@ class MeasurementSpec:
     min_gaps: int = 400  # fewer pooled gaps than this never decide a p99 TBT (368 are needed to bound a p99 at 95 %)
     max_segments: int = 3  # the cap: this many windows at most ...
     window_s: float = 0.0  # ... unless a low rate needs more windows (of this length) to hold enough requests
+    sustained_s: float = 0.0  # > 0: one contiguous window at least this long instead of windows in turn
+
+    def sustained_window_at(self, rate: float) -> float:
+        """A sustained measurement's one window at ``rate``: ``sustained_s``, or the windows the cap holds at this
+        rate laid end to end when they are longer (at an infinite rate: the shortest, ``max_segments`` windows)."""
+        return max(self.sustained_s, self.segments_at(rate) * self.window_s)
 
     def segments_at(self, rate: float) -> int:
         """The cap at ``rate``: ``max_segments`` windows, or as many as 1.5x the fewest requests that can show the
@@ -284,14 +296,16 @@ def segment_seed(draw: int, segment: int) -> int:
 def measure(backend: TrialBackend, knobs: dict[str, Any], rate: float, out_dir: Path, draw: int = 0,
             spec: MeasurementSpec = MeasurementSpec(),
             on_segment: Callable[[Measurement], None] | None = None, aim: Verdict = "met") -> Measurement:
-    """Measure ``knobs`` at ``rate`` segment by segment until :func:`should_stop`, the futility rule or the cap.
-    ``aim``: the verdict whose futility ends the measurement early ("met" in a search; "missed" where only a miss
+    """Measure ``knobs`` at ``rate`` segment by segment until :func:`should_stop`, the futility rule or the cap
+    (sustained, ``spec.sustained_s`` > 0: in one contiguous window, judged at its end). ``aim``: the verdict whose futility ends the measurement early ("met" in a search; "missed" where only a miss
     would tell, as for the default config at the rate a candidate needs it to miss)."""
     m = Measurement(knobs=dict(knobs), rate=rate, figures=None)
     pooled: list[RequestRecord] = []
-    cap = spec.segments_at(rate)
+    cap = 1 if spec.sustained_s > 0 else spec.segments_at(rate)
+    # a sustained measurement's one window is as long as the cap's windows (or longer), not one window's length
+    length = {"duration": spec.sustained_window_at(rate)} if spec.sustained_s > 0 else {}
     for i in range(cap):
-        o = backend.run(knobs, Path(out_dir) / f"segment-{i}", rate=rate, seed=segment_seed(draw, i))
+        o = backend.run(knobs, Path(out_dir) / f"segment-{i}", rate=rate, seed=segment_seed(draw, i), **length)
         m.segments.append(o)
         m.knobs = dict(o.knobs)
         if o.reason and o.reason.startswith(FAILURES):  # rejected, crashed, failed: the config fails here

@@ -53,7 +53,7 @@ class LookupBackend:
     asked: list[dict[str, Any]] = field(default_factory=list)  # the configs the trial loop ran, in order
 
     def run(self, knobs: dict[str, Any], out_dir: Path, rate: float | None = None,
-            seed: int | None = None) -> TrialOutcome:
+            seed: int | None = None, duration: float | None = None) -> TrialOutcome:
         self.asked.append(dict(knobs))
         outcome = self.table[key(knobs)].outcome
         assert outcome is not None

@@ -66,38 +66,41 @@ class SimTrialRunner:
 
     simulated = True
 
-    def load_config(self, rate: float, seed: int | None = None) -> LoadConfig:
+    def load_config(self, rate: float, seed: int | None = None, duration: float | None = None) -> LoadConfig:
         assert isinstance(self.workload, WorkloadSpec)
-        return load_config_for(self.workload, self.slo, rate, self.warmup + self.duration,
+        return load_config_for(self.workload, self.slo, rate, self.warmup + (duration or self.duration),
                                self.seed if seed is None else seed, self.drain_timeout)
 
-    def served(self, result: SimResult) -> float:
+    def served(self, result: SimResult, duration: float | None = None) -> float:
         """Requests of any arrival, a backlog's included, that finished within the window, per second: behind a
         queue, the config's service rate (the window's own arrivals may not even have started)."""
-        start, end = result.t0 + self.warmup, result.t0 + self.warmup + self.duration
-        return sum(r.status == "ok" and start <= r.finish_time < end for r in result.records) / self.duration
+        duration = duration or self.duration
+        start, end = result.t0 + self.warmup, result.t0 + self.warmup + duration
+        return sum(r.status == "ok" and start <= r.finish_time < end for r in result.records) / duration
 
     def run(self, knobs: dict[str, Any], out_dir: Path | None = None, rate: float | None = None,
-            seed: int | None = None) -> TrialOutcome:
-        """Simulate one trial on arrival draw ``seed`` (default: the runner's); with ``out_dir`` also write its trial
-        folder. A config the engine would reject is an infeasible trial with the engine's reason."""
+            seed: int | None = None, duration: float | None = None) -> TrialOutcome:
+        """Simulate one trial on arrival draw ``seed`` (default: the runner's) in a window of ``duration`` seconds
+        (default: the runner's); with ``out_dir`` also write its trial folder. A config the engine would reject is an
+        infeasible trial with the engine's reason."""
         rate = self.rate if rate is None else rate
+        duration = duration or self.duration
         full = {**EngineConfig().knobs(), **self.base_knobs, **knobs}
-        cfg = self.load_config(rate, seed)
+        cfg = self.load_config(rate, seed, duration)
         try:
             result, summary = simulate_load(cfg, full, self.timer, limits=self.limits, slo=self.slo,
-                                            window=(self.warmup, self.warmup + self.duration), backlog=self.backlog)
+                                            window=(self.warmup, self.warmup + duration), backlog=self.backlog)
         except ConfigError as error:
             return TrialOutcome(knobs=full, summary={}, step_stats=step_stats([]), feasible=False,
                                 reason=f"rejected by the engine: {error}", out_dir=out_dir, simulated=True, rate=rate)
         t0 = result.t0
         steps = window_steps(result.step_dicts(), t0 + self.warmup)  # as the engine's: the drain's steps too
-        summary["served_rps"] = self.served(result)
+        summary["served_rps"] = self.served(result, duration)
         reason = feasibility(summary, self.slo)
         outcome = TrialOutcome(knobs=full, summary=summary, step_stats=step_stats(steps), feasible=reason is None,
                                reason=reason, out_dir=out_dir, simulated=True, rate=rate)
         if out_dir is not None:
             assert isinstance(self.workload, WorkloadSpec)
             write_trial_folder(Path(out_dir), result, summary, outcome, self.workload.as_dict(), self.slo, steps,
-                               {"duration": self.duration, "warmup": self.warmup})
+                               {"duration": duration, "warmup": self.warmup})
         return outcome

@@ -2,10 +2,11 @@
 configuration that both use.
 
 A backend runs one trial (:meth:`TrialBackend.run`): the config's knobs laid over its base config, at an offered
-rate, on the arrival draw ``seed``; it writes the trial folder (records.parquet, summary.json, steps.jsonl,
-trial.json; tuner/trials/trial_runner.py describes it) and returns a TrialOutcome. ``tuner.trials.trial_runner.TrialRunner``
-runs it on the engine, ``tuner.simulation.simulator_trial.SimTrialRunner`` in the simulator; measurements
-(tuner/measure/measurement.py), rate searches (tuner/measure/capacity.py) and the verdict (tuner/measure/verdict.py) take either.
+rate, on the arrival draw ``seed``, its window ``duration`` seconds long (default: the backend's own); it writes
+the trial folder (records.parquet, summary.json, steps.jsonl, trial.json; tuner/trials/trial_runner.py describes
+it) and returns a TrialOutcome. ``tuner.trials.trial_runner.TrialRunner`` runs it on the engine,
+``tuner.simulation.simulator_trial.SimTrialRunner`` in the simulator; measurements (tuner/measure/measurement.py),
+rate searches (tuner/measure/capacity.py) and the verdict (tuner/measure/verdict.py) take either.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ class TrialBackend(Protocol):
     slo: Any  # an SLO once constructed (TrialRunner accepts the policy's SLOTargets and converts)
     simulated: bool
 
-    def run(self, knobs: dict[str, Any], out_dir: Path, rate: float | None = None,
-            seed: int | None = None) -> Any: ...  # a tuner.trials.trial_runner.TrialOutcome
+    def run(self, knobs: dict[str, Any], out_dir: Path, rate: float | None = None, seed: int | None = None, *,
+            duration: float | None = None) -> Any: ...  # a tuner.trials.trial_runner.TrialOutcome
 
 
 def load_config_for(workload: WorkloadSpec, slo: SLO, rate: float, duration: float, seed: int,

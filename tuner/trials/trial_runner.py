@@ -128,18 +128,20 @@ class TrialRunner:
 
     simulated = False
 
-    def load_config(self, rate: float, out_dir: Path, seed: int | None = None) -> LoadConfig:
+    def load_config(self, rate: float, out_dir: Path, seed: int | None = None,
+                    duration: float | None = None) -> LoadConfig:
         assert isinstance(self.workload, WorkloadSpec) and isinstance(self.slo, SLO)
-        return load_config_for(self.workload, self.slo, rate, self.warmup + self.duration,
+        return load_config_for(self.workload, self.slo, rate, self.warmup + (duration or self.duration),
                                self.seed if seed is None else seed, self.drain_timeout, url=self.handle.url,
                                out=str(out_dir))
 
     # ------------------------------------------------------------------------------------------------ trial
 
     def run(self, knobs: dict[str, Any], out_dir: Path, rate: float | None = None, seed: int | None = None,
-            prune: bool = False) -> TrialOutcome:
+            prune: bool = False, duration: float | None = None) -> TrialOutcome:
         """Measure ``knobs`` (laid over the base config) at ``rate`` (default: the runner's) on arrival draw ``seed``
-        (default: the runner's); ``prune=True`` stops a window whose p99 TBT is already lost (goodput objective)."""
+        (default: the runner's) in a window of ``duration`` seconds (default: the runner's); ``prune=True`` stops a
+        window whose p99 TBT is already lost (goodput objective)."""
         rate = self.rate if rate is None else rate
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -147,7 +149,7 @@ class TrialRunner:
             (out_dir / name).unlink(missing_ok=True)
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         full = {**(self.base_knobs or {}), **knobs}
-        outcome = self._run(full, out_dir, rate, prune, seed)
+        outcome = self._run(full, out_dir, rate, prune, seed, duration or self.duration)
         self._write_trial(outcome, started_at)
         return outcome
 
@@ -172,17 +174,17 @@ class TrialRunner:
         raise EngineError(f"the engine at {self.handle.url} is not answering /health")
 
     def _run(self, knobs: dict[str, Any], out_dir: Path, rate: float, prune: bool,
-             seed: int | None) -> TrialOutcome:
+             seed: int | None, duration: float) -> TrialOutcome:
         check_stop()
         self._ensure_engine()
         try:
             knobs, first_step = self._apply(knobs)
         except _NotMeasured as failed:
             return self._fail(failed.knobs, out_dir, rate, failed.reason)
-        cfg = self.load_config(rate, out_dir, seed)
+        cfg = self.load_config(rate, out_dir, seed, duration)
         assert isinstance(self.slo, SLO)
         collector = StepCollector(self.handle, first_step, self.step_poll_s)
-        watch = _LoadWatch(self, collector, PruneWatcher(self.slo.tbt_p99, self.pruning, self.duration)
+        watch = _LoadWatch(self, collector, PruneWatcher(self.slo.tbt_p99, self.pruning, duration)
                            if prune and self.pruning is not None and self.pruning.enabled and self.slo.tbt_p99
                            else None)
         load_error = None
@@ -207,7 +209,7 @@ class TrialRunner:
                               + (f"; load test: {load_error}" if load_error else ""))
         if run_summary is None:
             return self._fail(knobs, out_dir, rate, f"load test failed: {load_error}")
-        return self._measure(knobs, out_dir, rate, cfg, run_summary, watch, itl_end)
+        return self._measure(knobs, out_dir, rate, cfg, run_summary, watch, itl_end, duration)
 
     def _apply(self, knobs: dict[str, Any]) -> tuple[dict[str, Any], int]:
         """Apply ``knobs`` to the idle engine from a cleared prefix cache; returns the knobs as applied and the
@@ -231,11 +233,11 @@ class TrialRunner:
 
     def _measure(self, knobs: dict[str, Any], out_dir: Path, rate: float, cfg: LoadConfig,
                  run_summary: dict[str, Any], watch: _LoadWatch,
-                 itl_end: dict[float, float]) -> TrialOutcome:
+                 itl_end: dict[float, float], duration: float) -> TrialOutcome:
         """The load test's window ([warmup, warmup + duration) of the schedule, cut short when pruned) summarized
         and written with the engine's step records of it, and judged."""
         assert isinstance(self.slo, SLO)
-        end = min(self.warmup + self.duration, math.inf if watch.stopped_at is None else watch.stopped_at)
+        end = min(self.warmup + duration, math.inf if watch.stopped_at is None else watch.stopped_at)
         records_path = out_dir / "records.parquet"
         summary = summarize(str(records_path), slo=self.slo, window=(self.warmup, max(end, self.warmup + 1e-3)),
                             meta={k: v for k, v in run_summary.items() if k != "warnings"},
