@@ -84,9 +84,10 @@ def cpu_tag() -> str:
 
 
 def source_tag() -> str:
-    """A short hash of the kernels' sources: each version builds in its own folder (a cache folder shared by
-    checkouts of different versions would otherwise rebuild, or race, in one)."""
-    digest = hashlib.sha1()
+    """A short hash of the kernels' sources and where they are: each version, and each checkout, builds in its own
+    folder (a cache folder shared by checkouts of different versions would otherwise rebuild, or race, in one; ninja
+    also rebuilds when the source paths in its commands change, so two checkouts of one version took turns)."""
+    digest = hashlib.sha1(str(SOURCE_DIR.resolve()).encode() + b"\0")
     for path in sorted(SOURCE_DIR.glob("*.[ch]*")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:10]

@@ -95,14 +95,13 @@ def test_the_verdict_splits_its_error_rate_over_the_rounds_its_budget_holds(tmp_
     full = run.full_round_s()
     # each measurement one sustained 60 s window and its warm-up
     assert full == (1 + policy.verdict.candidates) * (policy.verdict.window + policy.warmup)
-    assert run.verdict_spec().sustained_s == policy.verdict.window == 60.0
+    assert run.verdict_spec(2).sustained_s == policy.verdict.window == 60.0
     windows = CapacityRun(TuneSession(args, policy.replace(verdict=replace(policy.verdict, window=0.0)), storage, None),
                           sim, open_study(storage, session.study_name, policy), "sim")
     assert windows.full_round_s() == (1 + policy.verdict.candidates) * 3 * (policy.trial_duration + policy.warmup)
     for budget, looks in [(0.5 * full, 1), (2.5 * full, 2), (100 * full, policy.verdict.max_rounds)]:
-        run.looks = run.planned_looks(budget)
-        assert run.looks == looks
-        assert run.verdict_spec().level == pytest.approx(1 - (1 - policy.measurement.level) / looks)
+        assert run.planned_looks(budget) == looks
+        assert run.verdict_spec(looks).level == pytest.approx(1 - (1 - policy.measurement.level) / looks)
 
 
 def test_an_slo_below_the_simulated_floor_stops_before_searching(

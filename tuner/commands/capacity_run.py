@@ -9,6 +9,7 @@ bound, the default on ties) and says that nothing beat the default.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -24,7 +25,7 @@ from tuner.measure.floor import measure_floor
 from tuner.measure.measurement import Measurement, MeasurementSpec, measure
 from tuner.output import short_knobs, write_report, write_tuned_yaml, write_vllm
 from tuner.simulation.simulator_trial import SimTrialRunner
-from tuner.search.study import ROLE_DEFAULT, TrialReport, longest_trial_s, measured, run_trials
+from tuner.search.study import ROLE_DEFAULT, TrialReport, longest_trial_s, measured, run_trials, starts_in_time
 from tuner.trials.trial_runner import TrialRunner
 from tuner.measure.verdict import DEFAULT, Contender, Sample, VerdictResult, look_level, paired_verdict, verdict_line
 
@@ -52,7 +53,6 @@ class CapacityRun:
         self.searcher.on_probe = self.probe_line
         self.floor: dict[str, Any] = {}
         self.rescreen: Rescreen | None = None  # the screen kept at the engine's speed
-        self.looks = self.p.verdict.max_rounds  # the verdict's looks (planned_looks, from what is left of the budget)
 
     def probe_line(self, m: Measurement) -> None:
         say(f"    {m.rate:.3g} req/s: {m.describe()}")
@@ -161,7 +161,7 @@ class CapacityRun:
     def full_round_s(self) -> float:
         """A verdict round with every measurement at the cap (warm-up and window each), no idle waits."""
         p = self.p
-        measurement = (self.verdict_spec().sustained_window_at(math.inf) + p.warmup if p.verdict.window > 0
+        measurement = (self.verdict_spec(1).sustained_window_at(math.inf) + p.warmup if p.verdict.window > 0
                        else self.searcher.spec.max_segments * (p.trial_duration + p.warmup))
         return (1 + p.verdict.candidates) * measurement
 
@@ -175,9 +175,7 @@ class CapacityRun:
         """The trial's line, then the next screened trial, ranked at the engine's speed (not when no further search
         could start before the deadline: a ranking nobody searches is time the verdict loses)."""
         self.trial_line(r)
-        # run_trials' own rule for starting a search before its deadline
-        starts = time.monotonic() + longest_trial_s(self.study) <= self.searches_deadline()
-        if self.rescreen is not None and r.done < r.total and starts:
+        if self.rescreen is not None and r.done < r.total and starts_in_time(self.study, self.searches_deadline()):
             self.rescreen.enqueue_next(self.study)
 
     # ------------------------------------------------------------------------------------------------ verdict
@@ -207,18 +205,18 @@ class CapacityRun:
         return d, [Contender(f"candidate {i + 1} (trial #{t.number})", dict(t.user_attrs["knobs"]), t.values[0],
                              search_high=high(t), next_rate=t.values[0] / step) for i, t in enumerate(others)]
 
-    def verdict_spec(self) -> MeasurementSpec:
-        """The measurement's sizing at the verdict's per-look level, in one sustained window of the policy's
-        ``verdict.window``: a capacity claimed is one the engine sustains that long."""
-        return replace(self.searcher.spec, level=look_level(self.p.measurement.level, self.looks),
+    def verdict_spec(self, looks: int) -> MeasurementSpec:
+        """The measurement's sizing at the per-look level of a verdict of ``looks`` looks, in one sustained window of
+        the policy's ``verdict.window``: a capacity claimed is one the engine sustains that long."""
+        return replace(self.searcher.spec, level=look_level(self.p.measurement.level, looks),
                        sustained_s=self.p.verdict.window)
 
-    def measure_at(self, c: Contender, rate: float, draw: int) -> Sample:
-        """One measurement of the contender at ``rate`` on arrival draw ``draw``, sized at the verdict's per-look
-        level (so that one round can decide)."""
+    def measure_at(self, spec: MeasurementSpec, c: Contender, rate: float, draw: int) -> Sample:
+        """One measurement of the contender at ``rate`` on arrival draw ``draw``, sized by the verdict's ``spec`` (at
+        its per-look level, so that one round can decide)."""
         folder = (self.s.trials_dir / "verdict" / f"draw-{draw}" / c.name.split(" (")[0].replace(" ", "-")
                   / f"rate-{rate:.4g}")
-        m = measure(self.runner, c.knobs, rate, folder, draw, self.verdict_spec(),
+        m = measure(self.runner, c.knobs, rate, folder, draw, spec,
                     aim="missed" if c.is_default else "met")
         say(f"  {c.name}, draw {draw}, {rate:.3g} req/s: {m.describe()}")
         f = m.figures
@@ -232,18 +230,18 @@ class CapacityRun:
             return self.none_shown()
         # the verdict gets its budget, or what is left of the run's when the searches ran late (one round at least)
         budget = max(0.0, min(p.verdict.budget, self.s.started + p.time_budget - time.monotonic()))
-        self.looks = self.planned_looks(budget)
+        looks = self.planned_looks(budget)
+        spec = self.verdict_spec(looks)
         say(f"{PROG}: verdict: the default and {len(candidates)} candidate(s) at fixed rates (a candidate one step "
             f"below its searched capacity, the default beside it), requests pooled per rate over fresh arrival draws, "
             f"the same draw for every config in a round, each measurement "
-            + (f"one sustained window of {format_duration(self.verdict_spec().sustained_window_at(math.inf))}"
+            + (f"one sustained window of {format_duration(spec.sustained_window_at(math.inf))}"
                if p.verdict.window > 0 else "in windows until decided")
-            + f", up to {self.looks} rounds (looks at "
-            f"{self.verdict_spec().level:.2%} each) or {format_duration(budget)} ...")
+            + f", up to {looks} rounds (looks at {spec.level:.2%} each) or {format_duration(budget)} ...")
         # a candidate steps down no lower than the default's capacity (below it, shown served cannot be better) nor
         # than the lowest rate a measurement can show served at, at the verdict's per-look level
-        floor = max(default.shown_served(), self.verdict_spec().lowest_rate_to_show())
-        result = paired_verdict(default, candidates, self.measure_at, self.looks, budget,
+        floor = max(default.shown_served(), spec.lowest_rate_to_show())
+        result = paired_verdict(default, candidates, functools.partial(self.measure_at, spec), looks, budget,
                                 p.measurement.level, step=1 + 2 * p.capacity.resolution, floor=floor,
                                 on_round=self.round_line)
         chosen, held = self.choose(result)

@@ -278,6 +278,12 @@ def longest_trial_s(study: optuna.Study) -> float:
                 if t.state == TrialState.COMPLETE and t.datetime_start and t.datetime_complete), default=0.0)
 
 
+def starts_in_time(study: optuna.Study, deadline: float | None) -> bool:
+    """Whether a trial started now ends before ``deadline`` (a time.monotonic(); None: no deadline), judged by the
+    longest so far."""
+    return deadline is None or time.monotonic() + longest_trial_s(study) <= deadline
+
+
 def run_trials(study: optuna.Study, runner: TrialRunner | TrialBackend, policy: Policy, n_trials: int, out_dir: Path,
                on_trial: Callable[[TrialReport], None] | None = None, searcher: CapacitySearcher | None = None,
                deadline: float | None = None, max_runs: int | None = None) -> int:
@@ -287,7 +293,7 @@ def run_trials(study: optuna.Study, runner: TrialRunner | TrialBackend, policy: 
     recover_orphans(study)
     while counted_trials(study) < n_trials and (max_runs is None or ran < max_runs):
         check_stop()
-        if deadline is not None and time.monotonic() + longest_trial_s(study) > deadline:
+        if not starts_in_time(study, deadline):
             break
         enqueue_start(study, policy)
         trial = study.ask()
