@@ -157,7 +157,10 @@ def main() -> int:
     for r in runs:
         print(f"rc {r.get('rc')} in {r.get('seconds') or 0:.0f}s: {r.get('last_line')}")
         for row in r.get("confirmed") or []:
-            print(f"  sim {row.get('predicted')} vs engine {row.get('measured')} req/s: {short(row.get('knobs'))}")
+            sustained = row.get("sustained_bracket")
+            print(f"  sim {row.get('predicted')} vs engine {row.get('measured')} req/s"
+                  + (f" (sustained in the verdict: {sustained[0]:.3g}-{sustained[1]:.3g})" if sustained else "")
+                  + f": {short(row.get('knobs'))}")
     for c in result.get("independent_loadtests", []):
         print(f"run {c['run']}: independent loadtest at {c['tuned']['rate']:.3g} req/s: tuned attains "
               f"{c['tuned']['attainment']}, default {c['default']['attainment']}")

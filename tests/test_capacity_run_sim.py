@@ -67,6 +67,12 @@ def test_the_capacity_flow_on_the_simulator_writes_capacities_intervals_and_a_ve
         assert ratio["low"] > 1.0 and not doc["evidence"]["tuned_is_default"] and doc["evidence"]["held"]
     confirmed = doc["evidence"]["confirmed"]
     assert confirmed and all(row["predicted"] is not None for row in confirmed)
+    # the verdict's candidate carries the bracket its sustained measurements showed, the same as tuned.yaml's
+    searched = [row for row in confirmed if row["sustained_bracket"] is not None]
+    assert len(searched) == 1
+    if last.startswith("tuned serves"):
+        cap = doc["tuned"]["capacity_req_per_s"]
+        assert searched[0]["sustained_bracket"] == [cap["low"], cap["high"]]
     assert "&id" not in (tmp_path / "out" / "tuned.yaml").read_text()
     assert (tmp_path / "out" / "tuned.html").exists()
 

@@ -271,16 +271,22 @@ class CapacityRun:
               file=sys.stderr)
         return 1
 
-    def confirmed(self) -> list[dict[str, Any]]:
-        """Each screened config the engine measured: the simulator's predicted capacity beside the engine's."""
+    def confirmed(self, result: VerdictResult) -> list[dict[str, Any]]:
+        """Each screened config the engine measured: the simulator's predicted capacity beside the engine's (its
+        search's, in windows from an idle engine, and, for a verdict candidate, the bracket its sustained
+        measurements showed: the simulator's long measurements compare with that one)."""
+        measured_in_verdict = [c for c in result.candidates if c.rounds]
         rows = []
         for t in measured(self.study):
             if t.user_attrs.get("role") == "screened" and "capacity" in t.user_attrs:
                 predicted = t.user_attrs.get("screen_predicted_capacity")
                 got = t.values[0]
+                verdict = next((c.capacity() for c in measured_in_verdict if c.knobs == t.user_attrs.get("knobs")),
+                               None)
                 rows.append({"trial": t.number, "knobs": t.user_attrs.get("knobs"), "predicted": predicted,
                              "measured": got, "bracket": t.user_attrs["capacity"].get("bracket"),
-                             "predicted_over_measured": predicted / got if predicted and got else None})
+                             "predicted_over_measured": predicted / got if predicted and got else None,
+                             "sustained_bracket": [verdict.low, verdict.high] if verdict else None})
         return rows
 
     def round_line(self, r: int, result: VerdictResult) -> None:
@@ -310,7 +316,7 @@ class CapacityRun:
         vllm = write_vllm(vllm_path, chosen.knobs, self.model)
         evidence: dict[str, Any] = {"verdict": result.as_dict(), "verdict_line": line, "floor": self.floor,
                                     "tuned_is_default": chosen is result.default, "held": held,
-                                    "confirmed": self.confirmed()}
+                                    "confirmed": self.confirmed(result)}
         write_tuned_yaml(s.out, knobs=chosen.knobs, slo=p.slo.as_dict(), workload=p.workload.as_dict(), rate=0.0,
                          rate_reason="capacity objective: the rate is searched per config", objective=p.objective,
                          model=self.model, study_name=s.study_name,
