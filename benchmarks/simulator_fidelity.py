@@ -32,7 +32,7 @@ from loadtest.runner import run_loadtest
 from tuner.commands.calibrate import CalibrationPlan, calibrate
 from tuner.trials.engine_handle import ManagedEngine
 from tuner.simulation.simulator import simulate_load
-from tuner.simulation.simulator import limits_of
+from tuner.simulation.profiles import limits_of
 from tuner.simulation.step_time_model import StepTimeModel
 
 # trace workloads, relative to --traces

@@ -22,7 +22,7 @@ from slotune.units import parse_duration
 from loadtest.summary import SLO
 from policies import default_policy_path, load_policy
 from tuner.search.comparison import METHODS, compare, plot
-from tuner.simulation.simulator import limits_of
+from tuner.simulation.profiles import limits_of
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.simulation.step_time_model import StepTimeModel
 

@@ -26,7 +26,7 @@ from loadtest.summary import SLO
 from policies import default_policy_path, load_policy
 from tuner.search.screening import screen
 from tuner.simulation.simulator import simulate_load
-from tuner.simulation.simulator import limits_of
+from tuner.simulation.profiles import limits_of
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.simulation.step_time_model import StepTimeModel
 

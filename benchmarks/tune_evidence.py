@@ -11,8 +11,9 @@
         these knobs), with intervals; Azure: the conversation trace, lengths x1/16, clipped to 2,048 tokens, its
         timeline rescaled by the rate search.
 
-Every tuned.yaml also lists, for each config the engine confirmed, the simulator's predicted capacity beside the
-engine's measured one (``evidence.confirmed``); each benchmark's JSON carries those rows and their ratio.
+Every tuned.yaml also lists, for each config the engine searched, the engine's capacity bracket beside the
+simulator's twin of that search (the same draws, rates and sizing; the step times rescaled to the engine's steps)
+and the screen's prediction (``evidence.confirmed``); each benchmark's JSON carries those rows.
 """
 
 from __future__ import annotations
@@ -158,9 +159,11 @@ def main() -> int:
         print(f"rc {r.get('rc')} in {r.get('seconds') or 0:.0f}s: {r.get('last_line')}")
         for row in r.get("confirmed") or []:
             sustained = row.get("sustained_bracket")
-            print(f"  sim {row.get('predicted')} vs engine {row.get('measured')} req/s"
-                  + (f" (sustained in the verdict: {sustained[0]:.3g}-{sustained[1]:.3g})" if sustained else "")
-                  + f": {short(row.get('knobs'))}")
+            print(f"  engine {bracket_text(row.get('bracket'))}, the simulator's twin of its search "
+                  f"{bracket_text(row.get('twin_bracket'))} ({'agree' if row.get('agrees') else 'disagree'}), "
+                  f"screen {row.get('predicted') or 0:.3g}"
+                  + (f", sustained in the verdict {bracket_text(sustained)}" if sustained else "")
+                  + f" req/s: {short(row.get('knobs'))}")
     for c in result.get("independent_loadtests", []):
         print(f"run {c['run']}: independent loadtest at {c['tuned']['rate']:.3g} req/s: tuned attains "
               f"{c['tuned']['attainment']}, default {c['default']['attainment']}")
@@ -168,6 +171,12 @@ def main() -> int:
         print(f"intervals overlap: {result['intervals_overlap']}; verdicts agree: {result['verdicts_agree']}")
     print(f"wrote {out} ({result['cpu']})")
     return 0
+
+
+def bracket_text(b: list[float | None] | None) -> str:
+    if not b:
+        return "?"
+    return f"{b[0] or 0:.3g}-{'?' if b[1] is None else f'{b[1]:.3g}'}"
 
 
 def short(knobs: dict[str, Any] | None) -> str:

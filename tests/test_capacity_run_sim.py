@@ -16,7 +16,7 @@ from policies import load_policy
 from tuner.commands.capacity_run import CapacityRun
 from tuner.commands.tune import build_parser
 from tuner.commands.session import TuneSession
-from tuner.commands.simulate import limits_of, profile_path
+from tuner.simulation.profiles import limits_of, profile_path
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.simulation.step_time_model import StepTimeModel
 from tuner.search.study import enqueue_default, open_storage, open_study
@@ -67,6 +67,11 @@ def test_the_capacity_flow_on_the_simulator_writes_capacities_intervals_and_a_ve
         assert ratio["low"] > 1.0 and not doc["evidence"]["tuned_is_default"] and doc["evidence"]["held"]
     confirmed = doc["evidence"]["confirmed"]
     assert confirmed and all(row["predicted"] is not None for row in confirmed)
+    # the engine here is the simulator itself: the twin of each search sees the same draws at the same rates and
+    # decides alike, so it walks the same probes to the same bracket
+    for row in confirmed:
+        assert row["twin_probes"] == row["engine_probes"] and row["twin_bracket"] == row["bracket"], row
+        assert row["agrees"] and row["twin_over_measured"] == 1.0
     # the verdict's candidate carries the bracket its sustained measurements showed, the same as tuned.yaml's
     searched = [row for row in confirmed if row["sustained_bracket"] is not None]
     assert len(searched) == 1
@@ -181,3 +186,12 @@ def test_on_a_trace_every_arrival_draw_replays_its_own_segment_the_same_for_ever
     b = sim.run({"max_num_seqs": 8}, tmp_path / "b", rate=1.0, seed=5)
     c = sim.run({"max_num_seqs": 8}, tmp_path / "c", rate=1.0, seed=6)
     assert a.summary["trace_offset_s"] == b.summary["trace_offset_s"] != c.summary["trace_offset_s"]
+
+
+def test_capacity_brackets_meet_when_they_overlap_or_touch() -> None:
+    from tuner.search.confirmation import brackets_meet
+
+    assert brackets_meet([4.43, 4.9], [4.9, 5.42])  # a step apart: the capacity may be 4.9 in both
+    assert brackets_meet([4.0, None], [6.0, 6.64])  # never missed up to 4.0: it may serve 6
+    assert not brackets_meet([4.43, 4.9], [5.42, 6.0])
+    assert not brackets_meet([0.0, 1.0], [2.0, 2.2])  # served nowhere down to 1 req/s against 2 req/s

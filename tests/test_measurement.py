@@ -46,11 +46,16 @@ class ScriptedBackend:
             times = list(first + np.concatenate([[0.0], np.cumsum(gaps)]))
             recs.append(RequestRecord(index=i, scheduled_at=at, intended_send_time=at, actual_send_time=at,
                                       output_tokens=20, ttft=0.2, token_times=times, finish_time=times[-1]))
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        write_records(str(Path(out_dir) / "records.parquet"), recs)
-        window = (0.0, self.requests * 0.5)
-        summary = summarize(recs, self.slo, window=window)
-        return TrialOutcome(dict(knobs), summary, {}, True, None, Path(out_dir), simulated=True, rate=rate)
+        return scripted_trial(recs, knobs, out_dir, rate, self.slo, window=(0.0, self.requests * 0.5))
+
+
+def scripted_trial(recs: list[RequestRecord], knobs: dict[str, Any], out_dir: Path, rate: float | None, slo: SLO,
+                   window: tuple[float, float]) -> TrialOutcome:
+    """A scripted trial's folder (its records) and outcome (their summary over ``window``), as a backend writes."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    write_records(str(Path(out_dir) / "records.parquet"), recs)
+    summary = summarize(recs, slo, window=window)
+    return TrialOutcome(dict(knobs), summary, {}, True, None, Path(out_dir), simulated=True, rate=rate)
 
 
 def run_measurement(bad: float, tmp_path: Path, segments: int = 4) -> tuple[Measurement, ScriptedBackend]:
@@ -225,7 +230,7 @@ def test_the_target_that_ends_a_capacity_is_the_one_missed_at_the_lowest_rate_no
 
 def test_on_the_simulator_the_capacity_bracket_separates_served_from_not_served_rates(tmp_path: Path) -> None:
     from policies import WorkloadSpec
-    from tuner.commands.simulate import limits_of, profile_path
+    from tuner.simulation.profiles import limits_of, profile_path
     from tuner.simulation.simulator_trial import SimTrialRunner
     from tuner.simulation.step_time_model import StepTimeModel
 
@@ -279,10 +284,7 @@ class QueueBackend:
             times = list(start + 0.07 + 0.02 * np.arange(10))
             recs.append(RequestRecord(index=i, scheduled_at=at, intended_send_time=at, actual_send_time=at,
                                       output_tokens=10, ttft=times[0] - at, token_times=times, finish_time=free))
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        write_records(str(Path(out_dir) / "records.parquet"), recs)
-        summary = summarize(recs, self.slo, window=(self.warmup, length))
-        return TrialOutcome(dict(knobs), summary, {}, True, None, Path(out_dir), simulated=True, rate=rate)
+        return scripted_trial(recs, knobs, out_dir, rate, self.slo, window=(self.warmup, length))
 
 
 def test_a_sustained_window_does_not_show_served_a_rate_whose_queue_grows_slower_than_a_window(

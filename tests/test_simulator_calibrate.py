@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tuner.commands.calibrate import busy_gaps
-from tuner.simulation.simulator import DEFAULT_PROFILES, limits_from, limits_of, profile_path
+from tuner.simulation.profiles import DEFAULT_PROFILE, SHIPPED_PROFILES, limits_from, limits_of, profile_path
 from tuner.simulation.step_time_model import StepTimeModel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,14 +47,18 @@ def test_the_simulator_takes_a_live_engines_limits_over_its_profiles() -> None:
     assert limits_of(profile, admin).kv_bytes_per_token == 23040
 
 
-def test_each_dtype_of_the_default_engine_has_its_shipped_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_dtype_of_the_default_engine_has_its_shipped_profile_per_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SLOTUNE_PROFILE", raising=False)
-    for dtype, path in DEFAULT_PROFILES.items():
-        assert profile_path(None, dtype) == path
-        model = StepTimeModel.load(path)
-        assert limits_of(model).kv_bytes_per_token == {"float32": 46080, "bfloat16": 23040}[dtype]
-        assert model.meta["health"].get("dtype", "float32") == dtype
-    assert profile_path(None, None) == profile_path(None, "float16") == DEFAULT_PROFILES["float32"]
+    for dtype, by_cpu in SHIPPED_PROFILES.items():
+        for cpu, path in by_cpu.items():
+            assert profile_path(None, dtype, cpu) == path
+            model = StepTimeModel.load(path)
+            assert limits_of(model).kv_bytes_per_token == {"float32": 46080, "bfloat16": 23040}[dtype]
+            assert model.meta["health"].get("dtype", "float32") == dtype
+            assert model.meta.get("cpu", cpu) == cpu  # a profile that records its CPU is filed under it
+        # a CPU no profile was calibrated on takes the dtype's first, which tune then rescales
+        assert profile_path(None, dtype, "Some Other CPU") == next(iter(by_cpu.values()))
+    assert profile_path(None, None, "AMD EPYC") == profile_path(None, "float16", "AMD EPYC") == DEFAULT_PROFILE
     assert profile_path("mine.json", "bfloat16") == Path("mine.json")
 
 

@@ -132,7 +132,7 @@ def test_the_screens_simulator_runs_at_the_speed_the_engine_just_measured(tmp_pa
     import optuna
 
     from tuner.trials.engine_handle import EngineHandle
-    from tuner.simulation.simulator import profile_path
+    from tuner.simulation.profiles import profile_path
     from tuner.trials.trial_runner import TrialRunner
 
     profile = StepTimeModel.load(profile_path(None))

@@ -25,9 +25,10 @@ from typing import Any, Callable
 
 import httpx
 
+from engine.cpu_info import cpu_name
 from loadtest.config import LoadConfig
 from tuner.trials.engine_handle import ConfigRejected, EngineError, EngineHandle, ManagedEngine
-from tuner.simulation.simulator import limits_from
+from tuner.simulation.profiles import limits_from
 from tuner.simulation.step_time_model import ProfileError, StepTimeModel
 
 # (knobs, ramp from, ramp to requests/s): small to large batches, budgets, chunks and blocks.
@@ -176,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if managed is not None:
             managed.stop()
+    if managed is not None:  # the engine ran here: file the profile under this CPU (a remote engine's is unknown)
+        model.meta["cpu"] = cpu_name()
     model.save(args.out)
     fe = model.fit_error
     log(f"fitted {model.meta['steps']} steps; held-out relative error median {fe.median_rel:.1%}, "

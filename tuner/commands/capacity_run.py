@@ -25,6 +25,7 @@ from tuner.measure.floor import measure_floor
 from tuner.measure.measurement import Measurement, MeasurementSpec, measure
 from tuner.output import short_knobs, write_report, write_tuned_yaml, write_vllm
 from tuner.simulation.simulator_trial import SimTrialRunner
+from tuner.search.confirmation import confirmed_rows
 from tuner.search.study import ROLE_DEFAULT, TrialReport, longest_trial_s, measured, run_trials, starts_in_time
 from tuner.trials.trial_runner import TrialRunner
 from tuner.measure.verdict import DEFAULT, Contender, Sample, VerdictResult, look_level, paired_verdict, verdict_line
@@ -32,6 +33,7 @@ from tuner.measure.verdict import DEFAULT, Contender, Sample, VerdictResult, loo
 if TYPE_CHECKING:
     from tuner.commands.session import TuneSession
     from tuner.search.rescreen import Rescreen
+    from tuner.simulation.step_time_model import StepTimeModel
 
 PROG = "tune"
 SCREENED = 40  # configs the simulator screens for capacity when --screen is not given
@@ -113,16 +115,14 @@ class CapacityRun:
         refitted to all the real trials so far and, when it moved, the configs are screened again, so that each next
         screened trial is the best at the engine's present speed."""
         from tuner.search.rescreen import Rescreen, rescale_text, speed_scale
-        from tuner.search.screening import (SCREEN_DRAWS, SCREEN_REDRAWN, engine_dtype, load_profile, screen_capacity,
-                                            sim_runner_like)
-        from tuner.simulation.step_time_model import StepTimeModel
+        from tuner.search.screening import SCREEN_DRAWS, SCREEN_REDRAWN, engine_dtype, load_profile, screen_capacity
 
         n = getattr(self.s.args, "screen", None) or SCREENED
         top = max(0, self.p.trials - 1)
 
         def rank(model: StepTimeModel | None) -> list[tuple[dict[str, Any], dict[str, Any]]]:
             # on a simulated engine (tests) the screen is that simulator itself
-            sim = self.runner if isinstance(self.runner, SimTrialRunner) else sim_runner_like(self.runner, model=model)
+            sim = self.twin(model)
             scaled = rescale_text(model)
             if not rescreen.rankings:
                 say(f"{PROG}: screening {n} configs for capacity in the simulator"
@@ -161,9 +161,15 @@ class CapacityRun:
     def full_round_s(self) -> float:
         """A verdict round with every measurement at the cap (warm-up and window each), no idle waits."""
         p = self.p
-        measurement = (self.verdict_spec(1).sustained_window_at(math.inf) + p.warmup if p.verdict.window > 0
+        window = self.sustained_window_s()
+        measurement = (window + p.warmup if window is not None
                        else self.searcher.spec.max_segments * (p.trial_duration + p.warmup))
         return (1 + p.verdict.candidates) * measurement
+
+    def sustained_window_s(self) -> float | None:
+        """The verdict's one sustained window at the highest rates (longer at low ones); None where the policy has
+        it measure in windows in turn (``verdict.window: 0``)."""
+        return self.verdict_spec(1).sustained_window_at(math.inf) if self.p.verdict.window > 0 else None
 
     def planned_looks(self, budget: float) -> int:
         """The verdict's looks, fixed before its first round: the full rounds its budget holds (the policy's
@@ -232,11 +238,12 @@ class CapacityRun:
         budget = max(0.0, min(p.verdict.budget, self.s.started + p.time_budget - time.monotonic()))
         looks = self.planned_looks(budget)
         spec = self.verdict_spec(looks)
+        window = self.sustained_window_s()
         say(f"{PROG}: verdict: the default and {len(candidates)} candidate(s) at fixed rates (a candidate one step "
             f"below its searched capacity, the default beside it), requests pooled per rate over fresh arrival draws, "
             f"the same draw for every config in a round, each measurement "
-            + (f"one sustained window of {format_duration(spec.sustained_window_at(math.inf))}"
-               if p.verdict.window > 0 else "in windows until decided")
+            + (f"one sustained window of {format_duration(window)}" if window is not None
+               else "in windows until decided")
             + f", up to {looks} rounds (looks at {spec.level:.2%} each) or {format_duration(budget)} ...")
         # a candidate steps down no lower than the default's capacity (below it, shown served cannot be better) nor
         # than the lowest rate a measurement can show served at, at the verdict's per-look level
@@ -271,23 +278,24 @@ class CapacityRun:
               file=sys.stderr)
         return 1
 
+    def twin(self, model: StepTimeModel | None) -> SimTrialRunner:
+        """The simulator that stands for the engine with ``model``'s step times (a simulated engine, in tests: that
+        simulator itself)."""
+        from tuner.search.screening import sim_runner_like
+
+        return self.runner if isinstance(self.runner, SimTrialRunner) else sim_runner_like(self.runner, model=model)
+
     def confirmed(self, result: VerdictResult) -> list[dict[str, Any]]:
-        """Each screened config the engine measured: the simulator's predicted capacity beside the engine's (its
-        search's, in windows from an idle engine, and, for a verdict candidate, the bracket its sustained
-        measurements showed: the simulator's long measurements compare with that one)."""
-        measured_in_verdict = [c for c in result.candidates if c.rounds]
-        rows = []
-        for t in measured(self.study):
-            if t.user_attrs.get("role") == "screened" and "capacity" in t.user_attrs:
-                predicted = t.user_attrs.get("screen_predicted_capacity")
-                got = t.values[0]
-                verdict = next((c.capacity() for c in measured_in_verdict if c.knobs == t.user_attrs.get("knobs")),
-                               None)
-                rows.append({"trial": t.number, "knobs": t.user_attrs.get("knobs"), "predicted": predicted,
-                             "measured": got, "bracket": t.user_attrs["capacity"].get("bracket"),
-                             "predicted_over_measured": predicted / got if predicted and got else None,
-                             "sustained_bracket": [verdict.low, verdict.high] if verdict else None})
-        return rows
+        """Each screened config the engine searched, against the simulator's twin of its search (the step times
+        rescaled to all the engine's steps): tuner/search/confirmation.py."""
+        in_verdict = [c for c in result.candidates if c.rounds]
+
+        def sustained(knobs: dict[str, Any]) -> list[float | None] | None:
+            c = next((c for c in in_verdict if c.knobs == knobs), None)
+            return [c.capacity().low, c.capacity().high] if c is not None else None
+
+        model = self.rescreen.fitted(self.study) if self.rescreen is not None else None
+        return confirmed_rows(self.study, self.twin(model), self.p, self.s.trials_dir / "twin", sustained)
 
     def round_line(self, r: int, result: VerdictResult) -> None:
         parts = [f"{c.name.split(' (')[0]} {c.capacity().format(' req/s', 1, 3)}"

@@ -20,7 +20,7 @@ from engine.cli import add_knob_arguments, knobs_from_args
 from engine.config import ConfigError, EngineConfig
 from loadtest.config import OPTIONS, LoadConfig
 from loadtest.summary import SLO, format_summary_table
-from tuner.simulation.simulator import limits_of, profile_path
+from tuner.simulation.profiles import limits_of, profile_path
 from tuner.simulation.step_time_model import ProfileError, StepTimeModel
 
 # Load-test flags that mean nothing without a server.

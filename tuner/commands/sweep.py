@@ -187,7 +187,7 @@ def engine_runner(plan: SweepPlan, engine: Any) -> Any:
 def simulator_runner(plan: SweepPlan) -> Any:
     """The simulator's SimTrialRunner (same run(knobs, out_dir) -> TrialOutcome), with the calibrated profile."""
     from loadtest.summary import SLO
-    from tuner.simulation.simulator import limits_of, profile_path
+    from tuner.simulation.profiles import limits_of, profile_path
     from tuner.simulation.simulator_trial import SimTrialRunner
     from tuner.simulation.step_time_model import ProfileError, StepTimeModel
 

@@ -165,7 +165,7 @@ def search(policy: Policy, current: dict[str, Any], resolved: dict[str, Any], sh
     otherwise look fine); the best one if it beats the applied config's prediction (attainment reaching the target
     where the applied one's does not, or goodput by MIN_GAIN). ``admin_config`` (GET /admin/config) and ``dtype``
     are the engine's: its model limits and the shipped profile of its dtype."""
-    from tuner.simulation.simulator import limits_of
+    from tuner.simulation.profiles import limits_of
 
     retune = policy.control.retune
     model = refitted_model(steps, int(resolved.get("block_size") or 16), profile, dtype)

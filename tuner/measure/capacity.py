@@ -34,6 +34,11 @@ class Capacity:
     probes: list[Measurement] = field(default_factory=list)
     resolution: float = 0.15
     stopped: str = ""  # why the search ended
+    # where the search began: probe i ran on arrival draw ``draw + i``; its first rate and step (a twin of the search,
+    # in the simulator, starts there to see the same draws at the same rates while its verdicts agree)
+    draw: int = 0
+    start: float = 0.0
+    step: float = 2.0
 
     @property
     def value(self) -> float:
@@ -95,7 +100,7 @@ class Capacity:
         return {"req_per_s": self.low, "bracket": [self.low, self.high if math.isfinite(self.high) else None],
                 "describe": self.describe(), "at_capacity": at.describe() if at is not None else None,
                 "resolved": self.resolved, "output_tokens_per_s": self.output_tokens_per_s, "stopped": self.stopped,
-                "bound": self.bound,
+                "bound": self.bound, "draw": self.draw, "start": self.start, "step": self.step,
                 "probes": [probe_record(m) for m in self.probes]}
 
 
@@ -127,7 +132,7 @@ def search_capacity(probe: Callable[[float], Measurement], knobs: dict[str, Any]
     (MeasurementSpec.can_show_met): whether a measurement at that rate holds enough requests to show the share met;
     with no rate served yet, the search does not go down to a rate that cannot. ``time_up()``: why no further probe
     may start (None: it may); the first probe always runs."""
-    cap = Capacity(dict(knobs), resolution=resolution)
+    cap = Capacity(dict(knobs), resolution=resolution, start=start, step=step)
     while len(cap.probes) < max_probes:
         late = time_up() if time_up is not None and cap.probes else None
         if late:
@@ -229,6 +234,7 @@ class CapacitySearcher:
         cap = search_capacity(probe, knobs, first, resolution or self.resolution,
                               max_probes or self.max_probes, step or first_step, self.on_probe,
                               self.spec.can_show_met, self.time_up)
+        cap.draw = draw
         if not cap.rejected:
             self.known.append((cap.knobs, cap.low, cap.high))
         return cap

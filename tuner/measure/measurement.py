@@ -297,8 +297,9 @@ def measure(backend: TrialBackend, knobs: dict[str, Any], rate: float, out_dir: 
             spec: MeasurementSpec = MeasurementSpec(),
             on_segment: Callable[[Measurement], None] | None = None, aim: Verdict = "met") -> Measurement:
     """Measure ``knobs`` at ``rate`` segment by segment until :func:`should_stop`, the futility rule or the cap
-    (sustained, ``spec.sustained_s`` > 0: in one contiguous window, judged at its end). ``aim``: the verdict whose futility ends the measurement early ("met" in a search; "missed" where only a miss
-    would tell, as for the default config at the rate a candidate needs it to miss)."""
+    (sustained, ``spec.sustained_s`` > 0: in one contiguous window, judged at its end). ``aim``: the verdict whose
+    futility ends the measurement early ("met" in a search; "missed" where only a miss would tell, as for the
+    default config at the rate a candidate needs it to miss)."""
     m = Measurement(knobs=dict(knobs), rate=rate, figures=None)
     pooled: list[RequestRecord] = []
     cap = 1 if spec.sustained_s > 0 else spec.segments_at(rate)

@@ -140,7 +140,7 @@ def rank(screened: list[Screened]) -> list[Screened]:
 
 def load_profile(profile: str | Path | None = None, dtype: str | None = None) -> StepTimeModel:
     """The step-time profile ``profile``, else $SLOTUNE_PROFILE, else the one shipped for ``dtype``."""
-    from tuner.simulation.simulator import profile_path
+    from tuner.simulation.profiles import profile_path
 
     return StepTimeModel.load(profile_path(str(profile) if profile else None, dtype))
 
@@ -153,7 +153,7 @@ def sim_runner_like(runner: TrialRunner, profile: str | Path | None = None,
     engine's ``measured`` step records when there are enough of them (StepTimeModel.rescaled; the scale is in
     ``timer.meta``). The model limits are the engine's own where it answers (its dtype sets the KV bytes per
     token, so the twin's KV pool holds as many tokens), else the profile's."""
-    from tuner.simulation.simulator import limits_of
+    from tuner.simulation.profiles import limits_of
 
     model = model or load_profile(profile)
     model = (model.rescaled(measured) if measured else None) or model

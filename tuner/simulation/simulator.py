@@ -24,10 +24,8 @@ and the engine's step records (``engine.step_record.StepRecord``).
 from __future__ import annotations
 
 import collections
-import os
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Protocol
 
 from engine.config import EngineConfig, ModelLimits
@@ -39,47 +37,12 @@ from loadtest.records import RequestRecord
 from loadtest.summary import SLO, summarize
 from loadtest.tokens import UNIQUE, PromptBuilder, TokenSpace
 from loadtest.workloads import RequestSpec
-from tuner.simulation.step_time_model import StepFn, StepTimeModel
+from tuner.simulation.step_time_model import StepFn
 
 # The default model's limits (SmolLM2-135M in float32: 8192 tokens of context, 2 x 30 layers x 3 KV heads x 64 x 4 B
 # per token; half that in bfloat16); a profile made by `slotune calibrate` carries the limits of the engine it
 # measured, and a live engine's admin config gives its own (its dtype sets the KV bytes per token).
 DEFAULT_LIMITS = ModelLimits(max_context_len=8192, kv_bytes_per_token=46080)
-DEFAULT_PROFILE = Path(__file__).with_name("default_profile.json")  # the default engine in float32
-# The shipped profile of each dtype the default engine runs in (`dtype="auto"` picks one per machine).
-DEFAULT_PROFILES = {"float32": DEFAULT_PROFILE, "bfloat16": Path(__file__).with_name("default_profile_bfloat16.json")}
-
-
-def profile_path(given: str | None, dtype: str | None = None) -> Path:
-    """--profile, else $SLOTUNE_PROFILE, else the profile shipped for the default engine in ``dtype`` (the engine's,
-    when known) on a small CPU machine, else the float32 one."""
-    return Path(given or os.environ.get("SLOTUNE_PROFILE") or DEFAULT_PROFILES.get(dtype or "", DEFAULT_PROFILE))
-
-
-def limits_of(model: StepTimeModel, admin_config: dict[str, Any] | None = None) -> ModelLimits:
-    """The model limits of the engine whose GET /admin/config answer is ``admin_config``, else those the step-time
-    profile was measured with (the simulator's defaults where it does not say)."""
-    lim = limits_from(admin_config) if admin_config else model.meta.get("limits") or {}
-    return ModelLimits(max_context_len=int(lim.get("max_context_len", DEFAULT_LIMITS.max_context_len)),
-                       kv_bytes_per_token=int(lim.get("kv_bytes_per_token", DEFAULT_LIMITS.kv_bytes_per_token)))
-
-
-def limits_from(admin_config: dict[str, Any]) -> dict[str, int]:
-    """The model's context and KV bytes per token from GET /admin/config's knobs and resolved sizes. The pool size
-    only brackets the bytes per token (num_kv_blocks = kv_cache_bytes // (bytes_per_token * block_size)); within
-    the bracket the value with the most factors of two is taken (2 x layers x KV heads x head dim x element size
-    is rich in them), which recovers the exact value for the usual model shapes."""
-    knobs, resolved = admin_config.get("config", {}), admin_config.get("resolved") or {}
-    size, bs, n = int(knobs.get("kv_cache_bytes") or 0), int(knobs.get("block_size") or 1), \
-        int(resolved.get("num_kv_blocks") or 0)
-    kv_per_token = DEFAULT_LIMITS.kv_bytes_per_token
-    if size and n and knobs.get("num_kv_blocks") is None:
-        lo, hi = size // ((n + 1) * bs) + 1, size // (n * bs)  # every k in lo..hi gives n blocks
-        candidates = [k for k in range(lo, hi + 1) if size // (k * bs) == n] or [hi]
-        kv_per_token = max(candidates, key=lambda k: ((k & -k), k))
-    max_len = resolved.get("max_model_len") if knobs.get("max_model_len") is None else None
-    return {"max_context_len": int(max_len or DEFAULT_LIMITS.max_context_len), "kv_bytes_per_token": kv_per_token}
-
 
 # Unique prompts get ids from here on: far above any vocabulary, so they never meet a real token id.
 _UNIQUE_BASE = 1 << 40

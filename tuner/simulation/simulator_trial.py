@@ -66,15 +66,15 @@ class SimTrialRunner:
 
     simulated = True
 
-    def load_config(self, rate: float, seed: int | None = None, duration: float | None = None) -> LoadConfig:
+    def load_config(self, rate: float, seed: int | None, duration: float) -> LoadConfig:
         assert isinstance(self.workload, WorkloadSpec)
-        return load_config_for(self.workload, self.slo, rate, self.warmup + (duration or self.duration),
+        return load_config_for(self.workload, self.slo, rate, self.warmup + duration,
                                self.seed if seed is None else seed, self.drain_timeout)
 
-    def served(self, result: SimResult, duration: float | None = None) -> float:
-        """Requests of any arrival, a backlog's included, that finished within the window, per second: behind a
-        queue, the config's service rate (the window's own arrivals may not even have started)."""
-        duration = duration or self.duration
+    def served(self, result: SimResult, duration: float) -> float:
+        """Requests of any arrival, a backlog's included, that finished within the window (``duration`` seconds from
+        the warm-up's end), per second: behind a queue, the config's service rate (the window's own arrivals may not
+        even have started)."""
         start, end = result.t0 + self.warmup, result.t0 + self.warmup + duration
         return sum(r.status == "ok" and start <= r.finish_time < end for r in result.records) / duration
 

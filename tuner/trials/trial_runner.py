@@ -128,10 +128,9 @@ class TrialRunner:
 
     simulated = False
 
-    def load_config(self, rate: float, out_dir: Path, seed: int | None = None,
-                    duration: float | None = None) -> LoadConfig:
+    def load_config(self, rate: float, out_dir: Path, seed: int | None, duration: float) -> LoadConfig:
         assert isinstance(self.workload, WorkloadSpec) and isinstance(self.slo, SLO)
-        return load_config_for(self.workload, self.slo, rate, self.warmup + (duration or self.duration),
+        return load_config_for(self.workload, self.slo, rate, self.warmup + duration,
                                self.seed if seed is None else seed, self.drain_timeout, url=self.handle.url,
                                out=str(out_dir))
 

@@ -1,0 +1,71 @@
+"""The simulator against the engine, config by config.
+
+For each screened config the engine searched, the simulator's capacity found the way the engine's was: a twin of
+the engine's search run on the simulator (the same measurement sizing, the same first rate and step, each probe on
+the same arrival draw; the step-time model rescaled to all the engine's steps). While the two agree at each probe
+they walk the same rates, so where they part is where the step-time model and the engine part. Beside it, the
+screen's prediction that ranked the config (its median over the screen's own draws, in measurements up to the
+screen's longer cap) and, for a verdict candidate, the bracket its sustained measurements showed.
+
+Both searches end in a bracket one resolution step wide, so capacities a step apart may be one: the twin
+``agrees`` with the engine when their brackets meet.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import optuna
+
+from policies import Policy
+from tuner.measure.capacity import Capacity, capacity_searcher
+from tuner.search.study import measured
+from tuner.trials.trial_backend import TrialBackend
+
+Bracket = list[float | None]  # [low, high]; high None where no rate probed was missed
+
+
+def twin_search(sim: TrialBackend, policy: Policy, knobs: dict[str, Any], searched: dict[str, Any],
+                out_dir: Path) -> Capacity:
+    """The engine's capacity search ``searched`` (a trial's ``capacity`` attrs) repeated on the simulator ``sim``."""
+    searcher = capacity_searcher(sim, policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the screen warned of the profile's range once already
+        return searcher.search(knobs, out_dir, draw=int(searched.get("draw", 0)),
+                               start=float(searched.get("start") or 0) or None, step=searched.get("step"))
+
+
+def brackets_meet(a: Bracket, b: Bracket) -> bool:
+    """Whether two capacity brackets overlap or touch (an open high end is infinite); a config served nowhere has
+    low 0."""
+    a_high = math.inf if a[1] is None else a[1]
+    b_high = math.inf if b[1] is None else b[1]
+    return (a[0] or 0.0) <= b_high and (b[0] or 0.0) <= a_high
+
+
+def confirmed_rows(study: optuna.Study, sim: TrialBackend, policy: Policy, out_dir: Path,
+                   sustained: Callable[[dict[str, Any]], Bracket | None]) -> list[dict[str, Any]]:
+    """One row per screened config the engine searched: the screen's prediction, the twin search's capacity and
+    bracket, the engine's, and ``sustained(knobs)``: the verdict's bracket for a candidate it measured, else None."""
+    rows = []
+    for t in measured(study):
+        if t.user_attrs.get("role") != "screened" or "capacity" not in t.user_attrs:
+            continue
+        searched = t.user_attrs["capacity"]
+        knobs = dict(t.user_attrs.get("knobs") or {})
+        engine: Bracket = list(searched.get("bracket") or [t.values[0], None])
+        twin = twin_search(sim, policy, knobs, searched, out_dir / f"trial-{t.number:04d}")
+        twin_bracket: Bracket = [twin.low, twin.high if math.isfinite(twin.high) else None]
+        predicted, got = t.user_attrs.get("screen_predicted_capacity"), t.values[0]
+        rows.append({"trial": t.number, "knobs": knobs, "measured": got, "bracket": engine,
+                     "twin": twin.low, "twin_bracket": twin_bracket,
+                     "twin_probes": [[m.rate, m.verdict] for m in twin.probes],
+                     "engine_probes": [[m["rate"], m["verdict"]] for m in searched.get("probes") or []],
+                     "twin_over_measured": twin.low / got if got else None,
+                     "agrees": brackets_meet(twin_bracket, engine),
+                     "predicted": predicted, "predicted_over_measured": predicted / got if predicted and got else None,
+                     "sustained_bracket": sustained(knobs)})
+    return rows
