@@ -72,6 +72,10 @@ def test_the_capacity_flow_on_the_simulator_writes_capacities_intervals_and_a_ve
     for row in confirmed:
         assert row["twin_probes"] == row["engine_probes"] and row["twin_bracket"] == row["bracket"], row
         assert row["agrees"] and row["twin_over_measured"] == 1.0
+        # and every window it measured, run again on the same arrivals, reads the same attainment
+        assert row["windows"] and all(w["attainment"][0] == w["attainment"][1] for w in row["windows"]), row
+        agreement = row["window_agreement"]
+        assert agreement["median_abs_attainment_diff"] == 0 and agreement["same_side_of_90"] == agreement["windows"]
     # the verdict's candidate carries the bracket its sustained measurements showed, the same as tuned.yaml's
     searched = [row for row in confirmed if row["sustained_bracket"] is not None]
     assert len(searched) == 1
@@ -195,3 +199,14 @@ def test_capacity_brackets_meet_when_they_overlap_or_touch() -> None:
     assert brackets_meet([4.0, None], [6.0, 6.64])  # never missed up to 4.0: it may serve 6
     assert not brackets_meet([4.43, 4.9], [5.42, 6.0])
     assert not brackets_meet([0.0, 1.0], [2.0, 2.2])  # served nowhere down to 1 req/s against 2 req/s
+
+
+def test_window_agreement_on_known_pairs() -> None:
+    from tuner.search.confirmation import window_agreement
+
+    pairs = [{"attainment": [0.96, 1.0]}, {"attainment": [0.95, 0.93]}, {"attainment": [0.5, 0.95]},
+             {"attainment": [None, 0.9]}]
+    a = window_agreement(pairs)
+    assert a["windows"] == 3 and a["median_abs_attainment_diff"] == pytest.approx(0.04)
+    assert a["largest_attainment_diff"] == pytest.approx(0.45) and a["same_side_of_90"] == 2
+    assert window_agreement([]) == {"windows": 0}

@@ -8,12 +8,17 @@ screen's prediction that ranked the config (its median over the screen's own dra
 screen's longer cap) and, for a verdict candidate, the bracket its sustained measurements showed.
 
 Both searches end in a bracket one resolution step wide, so capacities a step apart may be one: the twin
-``agrees`` with the engine when their brackets meet.
+``agrees`` with the engine when their brackets meet. A search stops measuring a rate as soon as its figures
+decide, so a few requests' difference in one window can send the twin along other rates; the rows therefore also
+set every window the engine measured beside the simulator's run of that same window (same rate, arrival seed and
+length): the step-time model against the engine on identical arrivals, window by window.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import statistics
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -22,6 +27,7 @@ import optuna
 
 from policies import Policy
 from tuner.measure.capacity import Capacity, capacity_searcher
+from tuner.measure.measurement import segment_seed
 from tuner.search.study import measured
 from tuner.trials.trial_backend import TrialBackend
 
@@ -36,6 +42,43 @@ def twin_search(sim: TrialBackend, policy: Policy, knobs: dict[str, Any], search
         warnings.simplefilter("ignore")  # the screen warned of the profile's range once already
         return searcher.search(knobs, out_dir, draw=int(searched.get("draw", 0)),
                                start=float(searched.get("start") or 0) or None, step=searched.get("step"))
+
+
+def same_windows(sim: TrialBackend, knobs: dict[str, Any], searched: dict[str, Any], trial_dir: Path,
+                 out_dir: Path) -> list[dict[str, Any]]:
+    """Each window of the engine's search (``trial_dir``/probe-i/segment-j, on arrival seed segment_seed(draw + i,
+    j)) run again on the simulator: rate, requests, and both sides' attainment and p99 TTFT."""
+    pairs = []
+    for i, probe in enumerate(searched.get("probes") or []):
+        segments = sorted((trial_dir / f"probe-{i}").glob("segment-*"), key=lambda d: int(d.name.split("-")[1]))
+        for seg in segments:
+            try:
+                engine = json.loads((seg / "summary.json").read_text())
+                length = float(json.loads((seg / "trial.json").read_text())["duration"])
+            except (OSError, ValueError, KeyError):
+                continue  # a window that measured nothing (a failed start): nothing to set beside it
+            j = int(seg.name.split("-")[1])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                o = sim.run(knobs, out_dir / f"probe-{i}" / seg.name, rate=float(probe["rate"]),
+                            seed=segment_seed(int(searched.get("draw", 0)) + i, j), duration=length)
+            twin = o.summary or {}
+            pairs.append({"rate": float(probe["rate"]), "window": j, "requests": engine.get("requests"),
+                          "attainment": [engine.get("attainment"), twin.get("attainment")],
+                          "ttft_p99": [engine.get("ttft_p99"), twin.get("ttft_p99")]})
+    return pairs
+
+
+def window_agreement(pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median absolute difference of attainment (simulator minus engine) over the windows, its largest, and in
+    how many windows the two lie on the same side of the 90 % target share."""
+    both = [(e, s) for e, s in (p["attainment"] for p in pairs) if e is not None and s is not None]
+    if not both:
+        return {"windows": 0}
+    diffs = [s - e for e, s in both]
+    return {"windows": len(both), "median_abs_attainment_diff": statistics.median(abs(d) for d in diffs),
+            "largest_attainment_diff": max(diffs, key=abs),
+            "same_side_of_90": sum((e >= 0.9) == (s >= 0.9) for e, s in both)}
 
 
 def brackets_meet(a: Bracket, b: Bracket) -> bool:
@@ -59,6 +102,9 @@ def confirmed_rows(study: optuna.Study, sim: TrialBackend, policy: Policy, out_d
         engine: Bracket = list(searched.get("bracket") or [t.values[0], None])
         twin = twin_search(sim, policy, knobs, searched, out_dir / f"trial-{t.number:04d}")
         twin_bracket: Bracket = [twin.low, twin.high if math.isfinite(twin.high) else None]
+        folder = t.user_attrs.get("steps_dir")
+        windows = same_windows(sim, knobs, searched, Path(folder), out_dir / f"trial-{t.number:04d}-windows") \
+            if folder else []
         predicted, got = t.user_attrs.get("screen_predicted_capacity"), t.values[0]
         rows.append({"trial": t.number, "knobs": knobs, "measured": got, "bracket": engine,
                      "twin": twin.low, "twin_bracket": twin_bracket,
@@ -66,6 +112,7 @@ def confirmed_rows(study: optuna.Study, sim: TrialBackend, policy: Policy, out_d
                      "engine_probes": [[m["rate"], m["verdict"]] for m in searched.get("probes") or []],
                      "twin_over_measured": twin.low / got if got else None,
                      "agrees": brackets_meet(twin_bracket, engine),
+                     "windows": windows, "window_agreement": window_agreement(windows),
                      "predicted": predicted, "predicted_over_measured": predicted / got if predicted and got else None,
                      "sustained_bracket": sustained(knobs)})
     return rows
