@@ -164,6 +164,12 @@ def main() -> int:
                   f"screen {row.get('predicted') or 0:.3g}"
                   + (f", sustained in the verdict {bracket_text(sustained)}" if sustained else "")
                   + f" req/s: {short(row.get('knobs'))}")
+            agreement = row.get("window_agreement") or {}
+            if agreement.get("windows"):
+                print(f"    on the engine's own {agreement['windows']} windows: the simulator's bracket "
+                      f"{bracket_text(row.get('same_windows_bracket'))}, {agreement['same_side_of_90']} windows on "
+                      f"the same side of 90 %, median attainment difference "
+                      f"{100 * agreement['median_abs_attainment_diff']:.1f} points")
     for c in result.get("independent_loadtests", []):
         print(f"run {c['run']}: independent loadtest at {c['tuned']['rate']:.3g} req/s: tuned attains "
               f"{c['tuned']['attainment']}, default {c['default']['attainment']}")

@@ -76,6 +76,7 @@ def test_the_capacity_flow_on_the_simulator_writes_capacities_intervals_and_a_ve
         assert row["windows"] and all(w["attainment"][0] == w["attainment"][1] for w in row["windows"]), row
         agreement = row["window_agreement"]
         assert agreement["median_abs_attainment_diff"] == 0 and agreement["same_side_of_90"] == agreement["windows"]
+        assert row["same_windows_bracket"] == row["bracket"] and row["same_windows_agree"]
     # the verdict's candidate carries the bracket its sustained measurements showed, the same as tuned.yaml's
     searched = [row for row in confirmed if row["sustained_bracket"] is not None]
     assert len(searched) == 1
@@ -210,3 +211,13 @@ def test_window_agreement_on_known_pairs() -> None:
     assert a["windows"] == 3 and a["median_abs_attainment_diff"] == pytest.approx(0.04)
     assert a["largest_attainment_diff"] == pytest.approx(0.45) and a["same_side_of_90"] == 2
     assert window_agreement([]) == {"windows": 0}
+
+
+def test_the_bracket_of_a_searchs_verdicts() -> None:
+    from tuner.search.confirmation import bracket_of
+
+    assert bracket_of([(8.0, "missed"), (5.33, "undecided"), (3.56, "met"), (4.82, "met")], 0.15) == [4.82, 5.33]
+    assert bracket_of([(2.0, "met"), (4.0, "met")], 0.15) == [4.0, None]
+    assert bracket_of([(1.0, "missed"), (0.5, "undecided")], 0.15) == [0.0, 0.5]
+    # a lower rate missed after a higher one was met: noise, kept one resolution step above the rate met
+    assert bracket_of([(4.0, "met"), (3.0, "missed")], 0.15) == [4.0, 4.6]

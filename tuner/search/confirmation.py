@@ -21,13 +21,15 @@ import math
 import statistics
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import optuna
 
 from policies import Policy
-from tuner.measure.capacity import Capacity, capacity_searcher
-from tuner.measure.measurement import segment_seed
+from loadtest.records import RequestRecord
+from loadtest.summary import SLO
+from tuner.measure.capacity import Capacity, capacity_searcher, measurement_spec
+from tuner.measure.measurement import figures, segment_seed, window_records
 from tuner.search.study import measured
 from tuner.trials.trial_backend import TrialBackend
 
@@ -44,13 +46,16 @@ def twin_search(sim: TrialBackend, policy: Policy, knobs: dict[str, Any], search
                                start=float(searched.get("start") or 0) or None, step=searched.get("step"))
 
 
-def same_windows(sim: TrialBackend, knobs: dict[str, Any], searched: dict[str, Any], trial_dir: Path,
-                 out_dir: Path) -> list[dict[str, Any]]:
+def same_windows(sim: TrialBackend, policy: Policy, knobs: dict[str, Any], searched: dict[str, Any],
+                 trial_dir: Path, out_dir: Path) -> tuple[list[dict[str, Any]], Bracket]:
     """Each window of the engine's search (``trial_dir``/probe-i/segment-j, on arrival seed segment_seed(draw + i,
-    j)) run again on the simulator: rate, requests, and both sides' attainment and p99 TTFT."""
-    pairs = []
+    j)) run again on the simulator: rate, requests, and both sides' attainment and p99 TTFT; and the bracket the
+    simulator's verdicts give on those same windows, pooled per probe as the search pooled them."""
+    pairs, verdicts = [], []
+    spec = measurement_spec(policy)
     for i, probe in enumerate(searched.get("probes") or []):
         segments = sorted((trial_dir / f"probe-{i}").glob("segment-*"), key=lambda d: int(d.name.split("-")[1]))
+        pooled: list[RequestRecord] = []
         for seg in segments:
             try:
                 engine = json.loads((seg / "summary.json").read_text())
@@ -62,11 +67,29 @@ def same_windows(sim: TrialBackend, knobs: dict[str, Any], searched: dict[str, A
                 warnings.simplefilter("ignore")
                 o = sim.run(knobs, out_dir / f"probe-{i}" / seg.name, rate=float(probe["rate"]),
                             seed=segment_seed(int(searched.get("draw", 0)) + i, j), duration=length)
+            pooled += window_records(o)
             twin = o.summary or {}
             pairs.append({"rate": float(probe["rate"]), "window": j, "requests": engine.get("requests"),
                           "attainment": [engine.get("attainment"), twin.get("attainment")],
                           "ttft_p99": [engine.get("ttft_p99"), twin.get("ttft_p99")]})
-    return pairs
+        if pooled:
+            assert isinstance(sim.slo, SLO)
+            verdicts.append((float(probe["rate"]), figures(pooled, sim.slo, spec).verdicts["attainment"]))
+    return pairs, bracket_of(verdicts, policy.capacity.resolution)
+
+
+def bracket_of(verdicts: Sequence[tuple[float, str]], resolution: float) -> Bracket:
+    """The bracket a rate search's verdicts (rate, verdict), in the order probed, leave: the highest rate met, the
+    lowest not met (as tuner.measure.capacity.search_capacity keeps them)."""
+    low, high = 0.0, math.inf
+    for rate, verdict in verdicts:
+        if verdict == "met":
+            low = max(low, rate)
+        else:
+            high = min(high, rate)
+        if low > 0 and high <= low:
+            high = low * (1 + resolution)
+    return [low, high if math.isfinite(high) else None]
 
 
 def window_agreement(pairs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -103,8 +126,8 @@ def confirmed_rows(study: optuna.Study, sim: TrialBackend, policy: Policy, out_d
         twin = twin_search(sim, policy, knobs, searched, out_dir / f"trial-{t.number:04d}")
         twin_bracket: Bracket = [twin.low, twin.high if math.isfinite(twin.high) else None]
         folder = t.user_attrs.get("steps_dir")
-        windows = same_windows(sim, knobs, searched, Path(folder), out_dir / f"trial-{t.number:04d}-windows") \
-            if folder else []
+        windows, replayed = same_windows(sim, policy, knobs, searched, Path(folder),
+                                         out_dir / f"trial-{t.number:04d}-windows") if folder else ([], [0.0, None])
         predicted, got = t.user_attrs.get("screen_predicted_capacity"), t.values[0]
         rows.append({"trial": t.number, "knobs": knobs, "measured": got, "bracket": engine,
                      "twin": twin.low, "twin_bracket": twin_bracket,
@@ -113,6 +136,7 @@ def confirmed_rows(study: optuna.Study, sim: TrialBackend, policy: Policy, out_d
                      "twin_over_measured": twin.low / got if got else None,
                      "agrees": brackets_meet(twin_bracket, engine),
                      "windows": windows, "window_agreement": window_agreement(windows),
+                     "same_windows_bracket": replayed, "same_windows_agree": brackets_meet(replayed, engine),
                      "predicted": predicted, "predicted_over_measured": predicted / got if predicted and got else None,
                      "sustained_bracket": sustained(knobs)})
     return rows
