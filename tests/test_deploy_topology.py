@@ -73,11 +73,6 @@ def load(stack: NativeStack, tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"start": start, "end": end, "records": records}
 
 
-def bucket_index(seconds: float) -> int:
-    """Index of the latency bucket holding this value (its upper bound's position in LATENCY_BUCKETS)."""
-    return next((i for i, le in enumerate(LATENCY_BUCKETS) if seconds <= le), len(LATENCY_BUCKETS))
-
-
 def scalar(stack: NativeStack, promql: str, at: float | None = None) -> float:
     assert stack.prometheus is not None
     result = stack.prometheus.query(promql, at)
@@ -85,26 +80,40 @@ def scalar(stack: NativeStack, promql: str, at: float | None = None) -> float:
     return float(result[0]["value"][1])
 
 
-def test_recorded_p99_itl_agrees_with_the_client_within_one_bucket(stack: NativeStack, load: dict) -> None:
+def test_recorded_inter_token_latencies_agree_with_the_client_within_one_bucket(stack: NativeStack,
+                                                                                 load: dict) -> None:
+    """At every bucket bound, the share of gaps above it in the engines' histogram as Prometheus recorded it lies
+    between the client's shares above the bounds next to it (the engine times a gap when its step ends, the client
+    when the token arrives, so a gap near a bound may fall on either side). The recorded p99 is shown, not compared
+    as a number: with ~600 gaps the 99th percentile is the sixth largest, and where the distribution has a hole
+    there (1.06 % of the gaps above 60 ms on both sides in one run, about 1 % above 100 ms) one gap moves it across
+    buckets, and histogram_quantile's interpolation inside a sparse bucket with it (65 ms on the client and 104 ms
+    recorded, from the same shares)."""
     records = load["records"]
     assert records and all(r.status == "ok" for r in records), {r.status for r in records}
     gaps = np.concatenate([token_gaps(r) for r in records])
-    client_p99 = percentile(gaps, 99)
-    recorded = scalar(stack, "job:slotune_inter_token_latency_seconds:p99_rate5m")
-    assert client_p99 is not None and math.isfinite(recorded)
-    print(f"p99 ITL: client {client_p99 * 1000:.1f} ms, Prometheus {recorded * 1000:.1f} ms")
-    assert abs(bucket_index(client_p99) - bucket_index(recorded)) <= 1, (client_p99, recorded, gap_shares(stack, gaps))
+    recorded_p99 = scalar(stack, "job:slotune_inter_token_latency_seconds:p99_rate5m")
+    assert math.isfinite(recorded_p99)
+    print(f"p99 ITL: client {1000 * (percentile(gaps, 99) or 0):.1f} ms, Prometheus {recorded_p99 * 1000:.1f} ms over {len(gaps)} gaps")
+    shares = gap_shares(stack, gaps)
+    above = {le: client for le, client, _ in shares}
+    bounds = [le for le, _, _ in shares]
+    # 0.02: rate() extrapolates each replica's counters over its own scrape times, weighting them slightly apart
+    off = [(le, client, engines) for i, (le, client, engines) in enumerate(shares)
+           if not above[bounds[min(i + 1, len(bounds) - 1)]] - 0.02 <= engines <= above[bounds[max(i - 1, 0)]] + 0.02]
+    print("share of gaps above each bound (bound s, client, Prometheus):", shares)
+    assert not off, off
 
 
-def gap_shares(stack: NativeStack, gaps: np.ndarray) -> list[tuple[float, int, float, float]]:
-    """What tells a disagreement's cause: per bucket bound above 20 ms, (bound, the client's gaps, its share of gaps
-    above the bound, the engines' share of the last 5 minutes)."""
+def gap_shares(stack: NativeStack, gaps: np.ndarray) -> list[tuple[float, float, float]]:
+    """Per finite bucket bound of the engines' inter-token latency histogram: (bound, the client's share of its gaps
+    above it, the engines' share of the last 5 minutes' gaps above it, as Prometheus recorded them)."""
     assert stack.prometheus is not None
     counts = {float(r["metric"]["le"]): float(r["value"][1]) for r in stack.prometheus.query(
         "sum by (le) (increase(slotune_inter_token_latency_seconds_bucket[5m]))")}
     total = counts.get(math.inf) or 1.0
-    return [(le, len(gaps), round(float(np.mean(gaps > le)), 4), round(1 - counts[le] / total, 4))
-            for le in sorted(counts) if 0.02 <= le < math.inf]
+    return [(le, round(float(np.mean(gaps > le)), 4), round(1 - counts[le] / total, 4))
+            for le in sorted(counts) if le < math.inf]
 
 
 def test_recorded_attainment_agrees_with_the_load_test(stack: NativeStack, load: dict) -> None:
