@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tuner.commands.calibrate import busy_gaps
+from engine.cpu_info import cpu_name
 from tuner.simulation.profiles import DEFAULT_PROFILE, SHIPPED_PROFILES, limits_from, limits_of, profile_path
 from tuner.simulation.step_time_model import StepTimeModel
 
@@ -82,6 +83,7 @@ def test_calibrate_profiles_the_real_engine(tmp_path: Path) -> None:
     # the engine's default dtype (auto): 46080 KV bytes per token in float32, half in bfloat16
     kv_bytes = 46080 if model.meta["health"]["dtype"] == "float32" else 23040
     assert model.meta["limits"] == {"max_context_len": 8192, "kv_bytes_per_token": kv_bytes}
+    assert model.meta["cpu"] == cpu_name()  # it started the engine here: the profile is filed under this CPU
     steps = [json.loads(line) for line in out.with_suffix(".steps.jsonl").read_text().splitlines()]
     assert len(steps) == model.meta["steps"] and {s["block_size"] for s in steps} == {8, 16, 32}
     # A batch-1 decode step is predicted within a factor of two of what the engine measured for one.
