@@ -292,7 +292,8 @@ class CapacityRun:
 
         def sustained(knobs: dict[str, Any]) -> list[float | None] | None:
             c = next((c for c in in_verdict if c.knobs == knobs), None)
-            return [c.capacity().low, c.capacity().high] if c is not None else None
+            shown = c.capacity() if c is not None else None
+            return [shown.low, shown.high] if shown is not None else None
 
         model = self.rescreen.fitted(self.study) if self.rescreen is not None else None
         return confirmed_rows(self.study, self.twin(model), self.p, self.s.trials_dir / "twin", sustained)

@@ -45,6 +45,20 @@ class Capacity:
         return self.low
 
     @property
+    def bracket(self) -> list[float | None]:
+        """[low, high]; high None where no rate probed was missed."""
+        return [self.low, self.high if math.isfinite(self.high) else None]
+
+    def narrow(self, rate: float, verdict: str) -> None:
+        """The bracket after a probe at ``rate`` decided ``verdict`` (anything but met narrows it from above)."""
+        if verdict == "met":
+            self.low = max(self.low, rate)
+        else:
+            self.high = min(self.high, rate)
+        if self.low > 0 and self.high <= self.low:  # a lower rate failed after a higher one served: noise; keep both
+            self.high = self.low * (1 + self.resolution)
+
+    @property
     def resolved(self) -> bool:
         return self.low > 0 and math.isfinite(self.high) and self.high / self.low <= 1 + self.resolution + 1e-9
 
@@ -97,7 +111,7 @@ class Capacity:
 
     def as_dict(self) -> dict[str, Any]:
         at = self.at_capacity
-        return {"req_per_s": self.low, "bracket": [self.low, self.high if math.isfinite(self.high) else None],
+        return {"req_per_s": self.low, "bracket": self.bracket,
                 "describe": self.describe(), "at_capacity": at.describe() if at is not None else None,
                 "resolved": self.resolved, "output_tokens_per_s": self.output_tokens_per_s, "stopped": self.stopped,
                 "bound": self.bound, "draw": self.draw, "start": self.start, "step": self.step,
@@ -150,15 +164,10 @@ def search_capacity(probe: Callable[[float], Measurement], knobs: dict[str, Any]
         cap.knobs = dict(m.knobs)
         if on_probe is not None:
             on_probe(m)
-        if m.verdict == "met":
-            cap.low = max(cap.low, rate)
-        else:
-            cap.high = min(cap.high, rate)
+        cap.narrow(rate, m.verdict)
         if cap.rejected:
             cap.stopped = cap.rejected
             return cap
-        if cap.low > 0 and cap.high <= cap.low:  # a lower rate failed after a higher one served: noise; keep both
-            cap.high = cap.low * (1 + resolution)
         if cap.resolved:
             cap.stopped = f"bracket within {resolution:.0%}"
             return cap

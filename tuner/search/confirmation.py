@@ -39,11 +39,9 @@ Bracket = list[float | None]  # [low, high]; high None where no rate probed was 
 def twin_search(sim: TrialBackend, policy: Policy, knobs: dict[str, Any], searched: dict[str, Any],
                 out_dir: Path) -> Capacity:
     """The engine's capacity search ``searched`` (a trial's ``capacity`` attrs) repeated on the simulator ``sim``."""
-    searcher = capacity_searcher(sim, policy)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the screen warned of the profile's range once already
-        return searcher.search(knobs, out_dir, draw=int(searched.get("draw", 0)),
-                               start=float(searched.get("start") or 0) or None, step=searched.get("step"))
+    return capacity_searcher(sim, policy).search(knobs, out_dir, draw=int(searched.get("draw", 0)),
+                                                 start=float(searched.get("start") or 0) or None,
+                                                 step=searched.get("step"))
 
 
 def same_windows(sim: TrialBackend, policy: Policy, knobs: dict[str, Any], searched: dict[str, Any],
@@ -52,7 +50,8 @@ def same_windows(sim: TrialBackend, policy: Policy, knobs: dict[str, Any], searc
     j)) run again on the simulator: rate, requests, and both sides' attainment and p99 TTFT; and the bracket the
     simulator's verdicts give on those same windows, pooled per probe as the search pooled them."""
     pairs, verdicts = [], []
-    spec = measurement_spec(policy)
+    spec, draw = measurement_spec(policy), int(searched.get("draw", 0))
+    assert isinstance(sim.slo, SLO)
     for i, probe in enumerate(searched.get("probes") or []):
         segments = sorted((trial_dir / f"probe-{i}").glob("segment-*"), key=lambda d: int(d.name.split("-")[1]))
         pooled: list[RequestRecord] = []
@@ -63,33 +62,24 @@ def same_windows(sim: TrialBackend, policy: Policy, knobs: dict[str, Any], searc
             except (OSError, ValueError, KeyError):
                 continue  # a window that measured nothing (a failed start): nothing to set beside it
             j = int(seg.name.split("-")[1])
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                o = sim.run(knobs, out_dir / f"probe-{i}" / seg.name, rate=float(probe["rate"]),
-                            seed=segment_seed(int(searched.get("draw", 0)) + i, j), duration=length)
+            o = sim.run(knobs, out_dir / f"probe-{i}" / seg.name, rate=float(probe["rate"]),
+                        seed=segment_seed(draw + i, j), duration=length)
             pooled += window_records(o)
-            twin = o.summary or {}
+            simulated = o.summary or {}
             pairs.append({"rate": float(probe["rate"]), "window": j, "requests": engine.get("requests"),
-                          "attainment": [engine.get("attainment"), twin.get("attainment")],
-                          "ttft_p99": [engine.get("ttft_p99"), twin.get("ttft_p99")]})
+                          "attainment": [engine.get("attainment"), simulated.get("attainment")],
+                          "ttft_p99": [engine.get("ttft_p99"), simulated.get("ttft_p99")]})
         if pooled:
-            assert isinstance(sim.slo, SLO)
             verdicts.append((float(probe["rate"]), figures(pooled, sim.slo, spec).verdicts["attainment"]))
     return pairs, bracket_of(verdicts, policy.capacity.resolution)
 
 
 def bracket_of(verdicts: Sequence[tuple[float, str]], resolution: float) -> Bracket:
-    """The bracket a rate search's verdicts (rate, verdict), in the order probed, leave: the highest rate met, the
-    lowest not met (as tuner.measure.capacity.search_capacity keeps them)."""
-    low, high = 0.0, math.inf
+    """The bracket a rate search's verdicts (rate, verdict), in the order probed, leave (Capacity.narrow)."""
+    cap = Capacity({}, resolution=resolution)
     for rate, verdict in verdicts:
-        if verdict == "met":
-            low = max(low, rate)
-        else:
-            high = min(high, rate)
-        if low > 0 and high <= low:
-            high = low * (1 + resolution)
-    return [low, high if math.isfinite(high) else None]
+        cap.narrow(rate, verdict)
+    return cap.bracket
 
 
 def window_agreement(pairs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -123,11 +113,13 @@ def confirmed_rows(study: optuna.Study, sim: TrialBackend, policy: Policy, out_d
         searched = t.user_attrs["capacity"]
         knobs = dict(t.user_attrs.get("knobs") or {})
         engine: Bracket = list(searched.get("bracket") or [t.values[0], None])
-        twin = twin_search(sim, policy, knobs, searched, out_dir / f"trial-{t.number:04d}")
-        twin_bracket: Bracket = [twin.low, twin.high if math.isfinite(twin.high) else None]
         folder = t.user_attrs.get("steps_dir")
-        windows, replayed = same_windows(sim, policy, knobs, searched, Path(folder),
-                                         out_dir / f"trial-{t.number:04d}-windows") if folder else ([], [0.0, None])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the screen warned of the profile's range once already
+            twin = twin_search(sim, policy, knobs, searched, out_dir / f"trial-{t.number:04d}")
+            windows, replayed = same_windows(sim, policy, knobs, searched, Path(folder),
+                                             out_dir / f"trial-{t.number:04d}-windows") if folder else ([], [0.0, None])
+        twin_bracket = twin.bracket
         predicted, got = t.user_attrs.get("screen_predicted_capacity"), t.values[0]
         rows.append({"trial": t.number, "knobs": knobs, "measured": got, "bracket": engine,
                      "twin": twin.low, "twin_bracket": twin_bracket,
