@@ -15,12 +15,13 @@ ninja) into the cache folder, for this CPU (-march=native; the folder is named a
   the query heads that share a KV head read each key and value row once, and at small batches each context is split
   into slices (merged after) so that both threads work.
 - bf16 weights and KV cache (engine/model.py keeps activations, norms and biases fp32): ``linear`` takes a bf16
-  weight with an fp32 input, which it rounds to bf16. Where the CPU has AMX-BF16 the weights are stored in the
-  tiles' layout (``pack_amx_weight``, at load) and every row count runs on AMX tiles with fp32 sums
-  (csrc/linear_bf16_amx.cpp; ``amx_layout``; $SLOTUNE_AMX=0 turns it off). Elsewhere: AVX512-BF16 ``vdpbf16ps`` where
-  the CPU has it, checked at run time, else the weights widened to fp32 by a shift (``set_bf16_kernel`` picks one),
-  tiles up to their own measured limit and at::linear in bf16 above it (oneDNN). ``decode_attention`` and
-  ``rotary_cache_write`` take bf16 caches; ``bf16_speedup`` is what dtype "auto" (engine/precision.py) decides by.
+  weight with an fp32 input, which it rounds to bf16, with fp32 sums. The kernel ($SLOTUNE_BF16_KERNEL, else the
+  best this CPU has): "amx" (AMX-BF16 tiles, csrc/linear_bf16_amx.cpp) or "vnni" (AVX512-BF16 register tiles,
+  csrc/linear_bf16_vnni.cpp) on weights stored packed at load (``pack_vnni_weight``; ``packed_layout``) for every
+  row count; "dot" (AVX512-BF16 dot products) or "widen" (the weights widened to fp32 by a shift, for CPUs without
+  bf16 instructions) on plain weights, up to their own measured limit, and at::linear in bf16 above it (oneDNN).
+  ``decode_attention`` and ``rotary_cache_write`` take bf16 caches; ``bf16_speedup`` is what dtype "auto"
+  (engine/precision.py) decides by.
 - ``pack_weights``: the model's weights, in the order a forward pass reads them, in one buffer on 2 MB pages.
 - ``rms_norm``, ``rotary_cache_write`` (rotary queries and keys, new keys and values into the cache) and
   ``silu_and_mul``: one loop each instead of several ATen calls.
@@ -59,7 +60,8 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the weights' and KV cache's d
 ENV_SWITCH = "SLOTUNE_FUSED_LAYERS"  # "0": never build or use it
 TILED_ROWS_ENV = "SLOTUNE_TILED_ROWS"  # overrides the measured limit of the tiled linear (6: tiles off)
 BF16_TILED_ROWS_ENV = "SLOTUNE_BF16_TILED_ROWS"  # the same for bf16 weights
-AMX_ENV = "SLOTUNE_AMX"  # "0": bf16 weights keep the plain layout (dot/widen tiles and oneDNN) on an AMX CPU too
+BF16_KERNEL_ENV = "SLOTUNE_BF16_KERNEL"  # "amx", "vnni", "dot" or "widen": the bf16 kernel (default: the best here)
+PACKED_KERNELS = ("amx", "vnni")  # the bf16 kernels that read weights in the packed layout
 TORCH_BUILD_LOCK = "lock"  # torch.utils.cpp_extension's lock file in the build folder
 MEASUREMENTS_FILE = "machine_measurements-2.json"  # in the build folder: what load() measured on this machine
 # (-2: the row limits measured in a thread of their own; a folder measured before keeps its old file unread)
@@ -117,8 +119,11 @@ def load() -> Any | None:
                       "attempt)",
                       RuntimeWarning, stacklevel=2)
         return None
-    for bf16 in (False, True):
-        module.set_tiled_rows_limit(tiled_rows_limit(module, build_dir, bf16), bf16)
+    if os.environ.get(BF16_KERNEL_ENV):
+        module.set_bf16_kernel(os.environ[BF16_KERNEL_ENV])
+    module.set_tiled_rows_limit(tiled_rows_limit(module, build_dir), False)
+    if bf16_kernel_name(module) not in PACKED_KERNELS:  # the packed kernels take every row count: no limit to measure
+        module.set_tiled_rows_limit(tiled_rows_limit(module, build_dir, True), True)
     module.build_dir = str(build_dir)  # where this machine's measurements are kept (bf16_speedup)
     return module
 
@@ -157,29 +162,24 @@ def _measured(build_dir: Path, key: str, measure: Any) -> Any:
     return data[key]
 
 
-def amx_enabled(module: Any) -> bool:
-    """Whether bf16 matrices run on the AMX tile kernel here: the CPU has AMX-BF16, the OS grants the tiles and
-    $SLOTUNE_AMX is not "0"."""
-    return os.environ.get(AMX_ENV, "1") != "0" and bool(module.amx_supported())
-
-
-def amx_layout(module: Any, weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [N, K] in the AMX tiles' layout ([N/16, K/32, 16, 32], which ``linear`` takes) where the tile
-    kernel runs here and the shape divides into tiles; otherwise the weight itself."""
+def packed_layout(module: Any, weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] in the packed layout ([N/16, K/32, 16, 32], which ``linear`` takes) where the bf16 kernel
+    in use reads it ("amx", "vnni") and the shape divides into its blocks; otherwise the weight itself."""
     if (weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[0] % 16 or weight.shape[1] % 32
-            or not amx_enabled(module)):
+            or bf16_kernel_name(module) not in PACKED_KERNELS):
         return weight
-    return module.pack_amx_weight(weight)
+    return module.pack_vnni_weight(weight)
 
 
 def in_features(weight: torch.Tensor) -> int:
-    """K of a weight [N, K], plain or in the AMX tiles' layout [N/16, K/32, 16, 32]."""
+    """K of a weight [N, K], plain or in the packed layout [N/16, K/32, 16, 32]."""
     return weight.shape[1] * weight.shape[3] if weight.dim() == 4 else weight.shape[1]
 
 
 def bf16_kernel_name(module: Any) -> str:
-    """The kernel bf16 weights run on: "amx" (all row counts), else "dot" or "widen" up to the tiles' limit."""
-    return "amx" if amx_enabled(module) else str(module.get_bf16_kernel())
+    """The kernel bf16 weights run on: "amx" or "vnni" (packed weights, all row counts), else "dot" or "widen" up to
+    their measured limit."""
+    return str(module.get_bf16_kernel())
 
 
 def tiled_rows_limit(module: Any, build_dir: Path, bf16: bool = False) -> int:
@@ -278,7 +278,7 @@ def bf16_speedup(module: Any) -> dict[str, float]:
 def measure_bf16_speedup(module: Any, rows: tuple[int, ...] = (1, 64),
                          weight_bytes: int = 64 << 20) -> tuple[dict[str, float], dict[str, list[float]]]:
     fp32 = _decoder_weights(weight_bytes, torch.float32)
-    bf16 = [amx_layout(module, w) for w in _decoder_weights(weight_bytes // 2, torch.bfloat16)]
+    bf16 = [packed_layout(module, w) for w in _decoder_weights(weight_bytes // 2, torch.bfloat16)]
 
     def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return module.linear(x, w, None, None)

@@ -99,10 +99,10 @@ class LlamaModel:
     def _pack_weights(self, kernels: Any) -> None:
         """Moves the weights into one buffer in forward order on 2 MB pages (engine/csrc/pack_weights.cpp):
         a decode step streams them all, and on 4 KB pages every 4 KB of each stream is a TLB miss. bf16 matrices go
-        into the AMX tiles' layout first where the CPU has AMX (fused_layers.amx_layout); a tied embedding then
-        keeps its plain copy for the token lookups and the LM head reads the tiled one."""
+        into the packed layout first where the bf16 kernel reads it (fused_layers.packed_layout); a tied embedding
+        then keeps its plain copy for the token lookups and the LM head reads the packed one."""
         tied = self.lm_head is self.embed_tokens
-        tiles = functools.partial(fused_layers.amx_layout, kernels)
+        tiles = functools.partial(fused_layers.packed_layout, kernels)
         self.layers = [replace(layer, qkv=tiles(layer.qkv), o_proj=tiles(layer.o_proj), gate_up=tiles(layer.gate_up),
                                down=tiles(layer.down)) for layer in self.layers]
         self.lm_head = tiles(self.lm_head)

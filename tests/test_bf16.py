@@ -65,23 +65,27 @@ def test_bf16_linear_above_its_limit_is_torchs_bf16_linear(kernels) -> None:
     assert torch.equal(kernels.linear(x, weight), torch.nn.functional.linear(x.bfloat16(), weight).float())
     with pytest.raises(RuntimeError, match="input has 500 features, weight expects 576"):
         kernels.linear(torch.randn(1, 500), weight)
-    with pytest.raises(RuntimeError, match="'dot' or 'widen'"):
-        kernels.set_bf16_kernel("amx")
+    with pytest.raises(RuntimeError, match="must be 'amx', 'vnni', 'dot' or 'widen', got 'tiles'"):
+        kernels.set_bf16_kernel("tiles")
 
 
-AMX = (k := fused_layers.load()) is not None and fused_layers.amx_enabled(k)
+PACKED_KERNELS = ((["amx"] if k.amx_supported() else []) + (["vnni"] if k.bf16_dot_supported() else [])
+                  if (k := fused_layers.load()) is not None else [])
 
 
-@pytest.mark.skipif(not AMX, reason="the CPU has no AMX-BF16 (or $SLOTUNE_AMX=0)")
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 32, 40, 100])  # one tile, a part, 2 x 2 tiles, both with leftovers
-@pytest.mark.parametrize(("outputs", "features"), [(1008, 576), (64, 1536), (16, 32)])  # 1008: 63 column blocks
-def test_amx_linear_matches_the_fp32_product_of_the_rounded_input(kernels, rows: int, outputs: int,
-                                                                  features: int) -> None:
+@pytest.mark.skipif(not PACKED_KERNELS, reason="the CPU has neither AMX-BF16 nor AVX512-BF16")
+@pytest.mark.parametrize("kernel", PACKED_KERNELS or ["none"])
+# rows: one AMX tile, a part, 2 x 2 tiles, both with leftovers; the vnni kernel's 6-row tiles and every leftover
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 16, 17, 32, 40, 100])
+@pytest.mark.parametrize(("outputs", "features"), [(1008, 576), (64, 1536), (16, 32), (48, 64)])  # 1008: 63 blocks
+def test_packed_linear_matches_the_fp32_product_of_the_rounded_input(kernels, kernel: str, rows: int, outputs: int,
+                                                                     features: int) -> None:
+    kernels.set_bf16_kernel(kernel)
     generator = torch.Generator().manual_seed(rows + outputs)
     x = torch.randn(rows, features, generator=generator)
     weight = torch.randn(outputs, features, generator=generator).bfloat16()
     bias, residual = torch.randn(outputs, generator=generator), torch.randn(rows, outputs, generator=generator)
-    packed = fused_layers.amx_layout(kernels, weight)
+    packed = fused_layers.packed_layout(kernels, weight)
     assert packed.shape == (outputs // 16, features // 32, 16, 32) and fused_layers.in_features(packed) == features
     expected = torch.nn.functional.linear(x.bfloat16().double(), weight.double(), bias.double()) + residual.double()
     got = kernels.linear(x, packed, bias, residual)
@@ -93,14 +97,28 @@ def test_amx_linear_matches_the_fp32_product_of_the_rounded_input(kernels, rows:
         kernels.linear(torch.randn(1, 100), packed)
 
 
-@pytest.mark.skipif(not AMX, reason="the CPU has no AMX-BF16 (or $SLOTUNE_AMX=0)")
-def test_amx_layout_keeps_shapes_that_do_not_divide_into_tiles(kernels) -> None:
+@pytest.mark.skipif(not PACKED_KERNELS, reason="the CPU has neither AMX-BF16 nor AVX512-BF16")
+def test_packed_layout_keeps_shapes_that_do_not_divide_into_blocks(kernels) -> None:
+    kernels.set_bf16_kernel(PACKED_KERNELS[-1])
     odd = torch.randn(1003, 576).bfloat16()
-    assert fused_layers.amx_layout(kernels, odd) is odd  # the plain kernels take it
+    assert fused_layers.packed_layout(kernels, odd) is odd  # the plain kernels take it
     fp32 = torch.randn(64, 64)
-    assert fused_layers.amx_layout(kernels, fp32) is fp32
+    assert fused_layers.packed_layout(kernels, fp32) is fp32
     with pytest.raises(RuntimeError, match="N % 16 == 0 and K % 32 == 0"):
-        kernels.pack_amx_weight(odd)
+        kernels.pack_vnni_weight(odd)
+    kernels.set_bf16_kernel("dot")
+    even = torch.randn(64, 64).bfloat16()
+    assert fused_layers.packed_layout(kernels, even) is even  # the plain-weight kernels keep the plain layout
+
+
+def test_the_packed_layout_holds_pairs_of_k_for_16_columns_per_row(kernels) -> None:
+    # every value distinct and exact in bf16: (1 + k/128) * 2^(n - 16)
+    weight = ((1 + torch.arange(64)[None, :] / 128) * 2.0 ** (torch.arange(32)[:, None] - 16)).bfloat16()
+    assert weight.float().unique().numel() == weight.numel()
+    packed = kernels.pack_vnni_weight(weight)
+    assert packed.shape == (2, 2, 16, 32)
+    for nb, kb, r, n, j in [(0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (1, 1, 15, 15, 1), (1, 0, 3, 7, 0), (0, 1, 9, 2, 1)]:
+        assert packed[nb, kb, r, 2 * n + j] == weight[16 * nb + n, 32 * kb + 2 * r + j]
 
 
 @pytest.mark.parametrize(("contexts", "heads", "kv_heads", "dim"), [
@@ -143,7 +161,8 @@ def test_rotary_cache_write_rounds_into_a_bf16_cache(kernels, fp32: LLM) -> None
 def test_bf16_fused_layer_loop_is_bit_identical_to_the_python_loop(bf16: LLM, batch) -> None:  # type: ignore[no-untyped-def]
     model, kv = bf16.engine.model, bf16.engine.runner.kv_cache
     assert model.fused_loop and model.layers[0].qkv.dtype == torch.bfloat16 and kv.key.dtype == torch.bfloat16
-    assert model.layers[0].qkv.dim() == (4 if AMX else 2) and model.lm_head.dim() == (4 if AMX else 2)
+    packed = fused_layers.bf16_kernel_name(model.kernels) in fused_layers.PACKED_KERNELS
+    assert model.layers[0].qkv.dim() == (4 if packed else 2) and model.lm_head.dim() == (4 if packed else 2)
     assert model.embed_tokens.dim() == 2  # the token lookups read the plain rows
     generator = torch.Generator().manual_seed(0)
     kv.key.copy_(torch.randn(kv.key.shape, generator=generator))

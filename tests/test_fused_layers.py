@@ -5,6 +5,7 @@ to transformers with both is tests/test_engine_equivalence.py's job."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -336,3 +337,14 @@ def test_a_build_killed_midway_does_not_block_later_starts(llm: LLM) -> None:
                              timeout=300, capture_output=True, text=True)
     assert started.returncode == 0, started.stderr
     assert not (Path(kernels.build_dir) / fused_layers.TORCH_BUILD_LOCK).exists()
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_the_engine_lets_openmp_threads_sleep_after_a_region_unless_the_user_chose(given: str | None,
+                                                                                   expected: str) -> None:
+    """OpenMP reads its wait policy when torch loads it: importing the engine first sets it (the user's wins)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": given} if given else {})
+    code = "import engine, torch, os; print(os.environ['OMP_WAIT_POLICY'])"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.stdout.strip() == expected

@@ -4,6 +4,7 @@
 #include "kernels.h"
 #include "linear_bf16_amx.h"
 #include "linear_bf16_dot.h"
+#include "linear_bf16_vnni.h"
 
 // The compute functions take and return tensors only and let go of the GIL while they run: a step's forward pass
 // would otherwise stop every other Python thread (the HTTP server sending the last step's tokens) until it ends.
@@ -17,11 +18,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_tiled_rows_limit", &set_tiled_rows_limit, "inputs of more rows than this (and > 6) go to at::linear",
         py::arg("rows"), py::arg("bf16") = false);
   m.def("get_tiled_rows_limit", &get_tiled_rows_limit, "the limit set_tiled_rows_limit set", py::arg("bf16") = false);
-  m.def("set_bf16_kernel", &set_bf16_kernel, "bf16 weights: 'dot' (x rounded to bf16, vdpbf16ps) or 'widen'");
+  m.def("set_bf16_kernel", &set_bf16_kernel,
+        "bf16 weights: 'amx' or 'vnni' (on packed weights), 'dot' (vdpbf16ps) or 'widen' (on plain ones)");
   m.def("get_bf16_kernel", &get_bf16_kernel, "the bf16 kernel in use");
   m.def("bf16_dot_supported", &bf16_dot_supported, "whether this CPU executes AVX512-BF16");
   m.def("amx_supported", &amx_supported, "whether this CPU executes AMX-BF16 and the OS grants the tiles");
-  m.def("pack_amx_weight", &pack_amx_weight, "a bf16 weight [N, K] in AMX tiles' layout [N/16, K/32, 16, 32]");
+  m.def("pack_vnni_weight", &pack_vnni_weight, "a bf16 weight [N, K] in the packed layout [N/16, K/32, 16, 32]");
   m.def("pack_weights", &pack_weights, "copies of the tensors, in order, in one buffer on huge pages", nogil);
   m.def("rotary_cache_write", &rotary_cache_write, "rotary queries/keys, and the new keys/values into the cache", nogil);
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up of the fused gate/up projection", nogil);

@@ -17,7 +17,7 @@ Tensor small_batch_linear(const Tensor& input, const Tensor& weight, const std::
                           const std::optional<Tensor>& residual);
 void set_tiled_rows_limit(int64_t rows, bool bf16);  // of the fp32 or the bf16-weight kernels
 int64_t get_tiled_rows_limit(bool bf16);
-void set_bf16_kernel(const std::string& kernel);  // "dot" (vdpbf16ps) or "widen" (bf16 -> fp32, fp32 FMAs)
+void set_bf16_kernel(const std::string& kernel);  // "amx", "vnni" (packed weights), "dot" or "widen" (plain ones)
 std::string get_bf16_kernel();
 
 // norm_rotary_silu.cpp

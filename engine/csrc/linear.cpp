@@ -6,6 +6,7 @@
 #include "kernels.h"
 #include "linear_bf16_amx.h"
 #include "linear_bf16_dot.h"
+#include "linear_bf16_vnni.h"
 #include "simd.h"
 #include "work_pool.h"
 
@@ -16,15 +17,19 @@
 // input rows x 8 weight rows (the weight tile stays in L1 while every row of x passes it). Where BLAS is the faster
 // one (other CPUs, long prefill chunks), engine/fused_layers.py measures it once and lowers the limit
 // (measurements: BENCHMARKS.md, "The kernels' design measurements").
-// bf16 weights (fp32 inputs, outputs and sums): either x rounded to bf16 and vdpbf16ps (linear_bf16_dot.cpp) or the
-// weights widened to fp32 by a shift and the fp32 kernels below (templates on the weight type); above their own
-// measured limit, ATen's bf16 linear (oneDNN: AMX tiles where the CPU has them, AVX512-BF16 otherwise).
+// bf16 weights (fp32 inputs, outputs and sums), one kernel per process (set_bf16_kernel): "amx" or "vnni" on weights
+// packed at load (pack_vnni_weight) for every row count, AMX tiles (linear_bf16_amx.cpp) or vdpbf16ps register tiles
+// (linear_bf16_vnni.cpp); on plain weights "dot" (x rounded to bf16 and vdpbf16ps dot products,
+// linear_bf16_dot.cpp) or "widen" (the weights widened to fp32 by a shift and the fp32 kernels below, templates on
+// the weight type), each up to its own measured limit, and ATen's bf16 linear (oneDNN) above it.
 constexpr int64_t kMaxGemvRows = 6;
 // Set once per process (properties of the CPU, measured by engine/fused_layers.py).
 static int64_t tiled_rows_limit = 1 << 30;
 static int64_t bf16_tiled_rows_limit = 1 << 30;
-static bool bf16_dot = bf16_dot_supported();  // false: widen the weights (also for comparisons)
-
+enum class Bf16Kernel { kAmx, kVnni, kDot, kWiden };
+static Bf16Kernel bf16_kernel = amx_supported() ? Bf16Kernel::kAmx
+                                : bf16_dot_supported() ? Bf16Kernel::kVnni
+                                                       : Bf16Kernel::kWiden;
 
 // Output column n for M rows of x: weight row n is read once, front to back (one sequential stream per thread is
 // what the hardware prefetchers follow best; interleaving several rows was slower), into U
@@ -135,12 +140,25 @@ void set_tiled_rows_limit(int64_t rows, bool bf16) {
 int64_t get_tiled_rows_limit(bool bf16) { return bf16 ? bf16_tiled_rows_limit : tiled_rows_limit; }
 
 void set_bf16_kernel(const std::string& kernel) {
-  TORCH_CHECK(kernel == "dot" || kernel == "widen", "bf16 kernel must be 'dot' or 'widen', got '", kernel, "'");
-  TORCH_CHECK(kernel == "widen" || bf16_dot_supported(), "this CPU has no AVX512-BF16 (the 'dot' kernel)");
-  bf16_dot = kernel == "dot";
+  TORCH_CHECK(kernel == "amx" || kernel == "vnni" || kernel == "dot" || kernel == "widen",
+              "bf16 kernel must be 'amx', 'vnni', 'dot' or 'widen', got '", kernel, "'");
+  TORCH_CHECK(kernel != "amx" || amx_supported(), "this CPU has no AMX-BF16 (or the OS does not grant the tiles)");
+  TORCH_CHECK(kernel == "amx" || kernel == "widen" || bf16_dot_supported(), "this CPU has no AVX512-BF16 (the '",
+              kernel, "' kernel)");
+  bf16_kernel = kernel == "amx" ? Bf16Kernel::kAmx
+                : kernel == "vnni" ? Bf16Kernel::kVnni
+                : kernel == "dot" ? Bf16Kernel::kDot
+                                  : Bf16Kernel::kWiden;
 }
 
-std::string get_bf16_kernel() { return bf16_dot ? "dot" : "widen"; }
+std::string get_bf16_kernel() {
+  switch (bf16_kernel) {
+    case Bf16Kernel::kAmx: return "amx";
+    case Bf16Kernel::kVnni: return "vnni";
+    case Bf16Kernel::kDot: return "dot";
+    default: return "widen";
+  }
+}
 
 // Whether bias and residual are what the kernels can read: fp32, contiguous, residual [M, N].
 static bool fp32_extras(const std::optional<Tensor>& bias, const std::optional<Tensor>& residual, int64_t M,
@@ -168,21 +186,27 @@ static Tensor with_extras(Tensor out, const std::optional<Tensor>& bias, const s
   return residual.has_value() ? *residual + out : out;
 }
 
-// fp32 input, a bf16 weight packed for AMX tiles (pack_amx_weight: [N/16, K/32, 16, 32]): fp32 out, any row count.
-static Tensor amx_weight_linear(const Tensor& input, const Tensor& packed, const std::optional<Tensor>& bias,
+// fp32 input, a packed bf16 weight (pack_vnni_weight: [N/16, K/32, 16, 32]): fp32 out, any row count; AMX tiles
+// where they are the kernel in use, vdpbf16ps register tiles otherwise.
+static Tensor packed_weight_linear(const Tensor& input, const Tensor& packed, const std::optional<Tensor>& bias,
                                 const std::optional<Tensor>& residual) {
-  TORCH_CHECK(amx_supported(), "linear: a weight packed for AMX tiles needs a CPU with AMX-BF16");
-  TORCH_CHECK(input.dim() == 2 && input.is_cpu() && packed.is_contiguous(), "linear: AMX path takes a 2-d input");
+  TORCH_CHECK(bf16_dot_supported(), "linear: a packed bf16 weight needs a CPU with AVX512-BF16");
+  TORCH_CHECK(input.dim() == 2 && input.is_cpu() && packed.is_contiguous(), "linear: a packed weight takes a 2-d input");
   const int64_t M = input.size(0), K = packed.size(1) * packed.size(3), N = packed.size(0) * packed.size(2);
   TORCH_CHECK(input.size(1) == K, "linear: input has ", input.size(1), " features, weight expects ", K);
   if (!fp32_extras(bias, residual, M, N))  // rare forms: the product here, the extras by ATen
-    return with_extras(amx_weight_linear(input, packed, std::nullopt, std::nullopt), bias, residual);
+    return with_extras(packed_weight_linear(input, packed, std::nullopt, std::nullopt), bias, residual);
   Tensor y = at::empty({M, N}, input.options());
   if (M == 0) return y;
   const Tensor x = input.contiguous();
-  amx_linear(to_bf16(x.data_ptr<float>(), M * K, (M + 15) / 16 * 16 * K), packed.data_ptr<c10::BFloat16>(),
-             bias.has_value() ? bias->data_ptr<float>() : nullptr,
-             residual.has_value() ? residual->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N);
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const float* r = residual.has_value() ? residual->data_ptr<float>() : nullptr;
+  if (bf16_kernel == Bf16Kernel::kAmx)
+    amx_linear(to_bf16(x.data_ptr<float>(), M * K, (M + 15) / 16 * 16 * K), packed.data_ptr<c10::BFloat16>(), b, r,
+               y.data_ptr<float>(), M, K, N);
+  else
+    vnni_linear(to_bf16(x.data_ptr<float>(), M * K, M * K), packed.data_ptr<c10::BFloat16>(), b, r,
+                y.data_ptr<float>(), M, K, N);
   return y;
 }
 
@@ -202,7 +226,7 @@ static Tensor bf16_weight_linear(const Tensor& input, const Tensor& weight, cons
   const float* xp = x.data_ptr<float>();
   const c10::BFloat16* wp = weight.data_ptr<c10::BFloat16>();
   float* yp = y.data_ptr<float>();
-  if (bf16_dot) {
+  if (bf16_kernel != Bf16Kernel::kWiden && bf16_dot_supported()) {  // plain weights under "amx"/"vnni": odd shapes
     bf16_dot_linear(to_bf16(xp, M * K, M * K), wp, b, r, yp, M, K, N);
     return y;
   }
@@ -216,7 +240,7 @@ static Tensor bf16_weight_linear(const Tensor& input, const Tensor& weight, cons
 Tensor small_batch_linear(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias,
                           const std::optional<Tensor>& residual) {
   if (weight.scalar_type() == at::kBFloat16 && input.scalar_type() == at::kFloat)
-    return weight.dim() == 4 ? amx_weight_linear(input, weight, bias, residual)
+    return weight.dim() == 4 ? packed_weight_linear(input, weight, bias, residual)
                              : bf16_weight_linear(input, weight, bias, residual);
   const bool without_blas =
       input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && input.dim() == 2 &&

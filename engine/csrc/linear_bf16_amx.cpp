@@ -1,6 +1,6 @@
 // linear with bf16 inputs and weights on AMX tiles (see linear_bf16_amx.h). The weight is packed once, at load, into
-// 1 KB blocks in the order the kernel reads them; x is rounded to bf16 into rows padded to 16. Work is split over
-// column blocks of the output (each thread streams its own part of the weight once per step, as the streaming
+// 1 KB blocks in the order the kernel reads them (pack_vnni_weight); x is rounded to bf16 into rows padded to 16.
+// Work is split over column blocks of the output (each thread streams its own part of the weight once per step, as the streaming
 // kernels do); within one, 2 x 2 tiles (32 rows of x by 32 columns) for long inputs, 1 x 4 tiles for up to 16 rows.
 #include "linear_bf16_amx.h"
 
@@ -36,26 +36,6 @@ bool cpu_has_amx_bf16() {
 bool amx_supported() {
   static const bool supported = cpu_has_amx_bf16() && request_tile_permission();
   return supported;
-}
-
-at::Tensor pack_amx_weight(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "pack_amx_weight: a 2-d bf16 weight");
-  const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(N % kRows == 0 && K % kPairs == 0, "pack_amx_weight: [N, K] with N % 16 == 0 and K % 32 == 0, got [",
-              N, ", ", K, "]");
-  const at::Tensor w = weight.contiguous();
-  at::Tensor packed = at::empty({N / kRows, K / kPairs, kRows, kPairs}, w.options());
-  const c10::BFloat16* src = w.data_ptr<c10::BFloat16>();
-  c10::BFloat16* dst = packed.data_ptr<c10::BFloat16>();
-  for (int64_t nb = 0; nb < N / kRows; ++nb)
-    for (int64_t kb = 0; kb < K / kPairs; ++kb) {
-      c10::BFloat16* block = dst + (nb * (K / kPairs) + kb) * kBlock;
-      for (int64_t r = 0; r < kRows; ++r)
-        for (int64_t n = 0; n < kRows; ++n)
-          for (int64_t j = 0; j < 2; ++j)
-            block[r * kPairs + 2 * n + j] = src[(nb * kRows + n) * K + kb * kPairs + 2 * r + j];
-    }
-  return packed;
 }
 
 #pragma GCC push_options
@@ -207,8 +187,6 @@ void amx_linear(const c10::BFloat16* x, const c10::BFloat16* packed, const float
 #else  // not x86-64: no AMX
 
 bool amx_supported() { return false; }
-
-at::Tensor pack_amx_weight(const at::Tensor&) { TORCH_CHECK(false, "pack_amx_weight: AMX needs an x86-64 CPU"); }
 
 void amx_linear(const c10::BFloat16*, const c10::BFloat16*, const float*, const float*, float*, int64_t, int64_t,
                 int64_t) {}

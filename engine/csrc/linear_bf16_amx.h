@@ -11,12 +11,8 @@
 // Whether this CPU executes AMX-BF16 and the OS lets this process use the tiles (cpuid and arch_prctl, once).
 bool amx_supported();
 
-// A weight [N, K] (N a multiple of 16, K of 32) in the tiles' layout: [N/16, K/32, 16, 32], block (nb, kb) row r
-// holding the pairs (w[16 nb + n][32 kb + 2r], w[16 nb + n][32 kb + 2r + 1]) for n = 0..15 (the "VNNI" layout the
-// tile product reads its second operand in), so that each 16 x 32 block of the weight is one contiguous 1 KB load.
-at::Tensor pack_amx_weight(const at::Tensor& weight);
-
 // y[m, n] = residual[m, n] + bias[n] + x[m] . w[n] over K (bias, residual optional); x bf16 [M, K] with its rows
-// padded with zeros to a multiple of 16, w packed by pack_amx_weight. Each weight block is read once per 32 rows of x.
+// padded with zeros to a multiple of 16, w packed by pack_vnni_weight (linear_bf16_vnni.h). Each weight block is read
+// once per 32 rows of x.
 void amx_linear(const c10::BFloat16* x, const c10::BFloat16* packed, const float* bias, const float* residual,
                 float* y, int64_t M, int64_t K, int64_t N);
