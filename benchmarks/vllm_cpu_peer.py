@@ -345,11 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import random
 
-    import torch
     from engine_throughput import EngineSystem, make_workload, measure_bandwidth, warmup_workload
 
     from engine.model_loader import resolve_model_dir
     from engine.precision import choose_dtype
+
+    import torch  # after the engine, which sets OpenMP's wait policy before torch loads it
 
     def log(message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
