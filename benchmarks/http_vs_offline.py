@@ -240,9 +240,9 @@ def table(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch
+    from engine import LLM  # first: the engine sets OpenMP's wait policy before torch loads it
 
-    from engine import LLM
+    import torch  # noqa: I001
 
     torch.set_num_threads(args.threads)
 

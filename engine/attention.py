@@ -3,7 +3,9 @@
 The batch is laid out decodes first, then prefill chunks. Decode tokens are grouped by context length; with the C++
 kernels (engine/fused_layers.py: fp32 queries, fp32 or bf16 caches) a group's queries read their keys and values in
 place through the block tables, otherwise the group gathers them once, padded only to its longest context. Each
-prefill chunk attends to its sequence's cached context plus itself with a causal mask, in the cache's dtype.
+prefill chunk attends to its sequence's cached context plus itself with a causal mask, in the cache's dtype: with the
+C++ kernels, a bf16 cache and AVX512-BF16, in the kernels' own flash attention reading the cache in place
+(csrc/prefill_attention.cpp); otherwise in torch's scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -52,7 +54,13 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out = torch.empty_like(query)
     for group in meta.decode_groups:
         out[group.start : group.end] = _decode_group(query, key_cache, value_cache, group, scale, kernels)
+    own_prefill = (kernels is not None and key_cache.dtype == torch.bfloat16 and query.dtype == torch.float32
+                   and kernels.bf16_dot_supported())
     for chunk in meta.prefills:
+        if own_prefill:  # the C++ kernel, reading the context (the chunk's own keys included) from the cache
+            out[chunk.start : chunk.end] = kernels.prefill_attention(
+                query[chunk.start : chunk.end], key_cache, value_cache, chunk.block_table, chunk.context_len, scale)
+            continue
         # In the cache's dtype: a bf16 cache beside fp32 activations runs the chunk's attention in bf16 (torch's bf16
         # flash attention, ~2.5x its fp32 one on a CPU with bf16 instructions), on the keys and values as cached.
         q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0).to(key_cache.dtype)  # [1, heads, chunk, dim]

@@ -22,6 +22,8 @@ ninja) into the cache folder, for this CPU (-march=native; the folder is named a
   bf16 instructions) on plain weights, up to their own measured limit, and at::linear in bf16 above it (oneDNN).
   ``decode_attention`` and ``rotary_cache_write`` take bf16 caches; ``bf16_speedup`` is what dtype "auto"
   (engine/precision.py) decides by.
+- ``prefill_attention``: a prefill chunk's causal attention over its cached context and itself from the paged bf16
+  cache, flash-attention style on vdpbf16ps (CPUs with AVX512-BF16); elsewhere torch's scaled_dot_product_attention.
 - ``pack_weights``: the model's weights, in the order a forward pass reads them, in one buffer on 2 MB pages.
 - ``rms_norm``, ``rotary_cache_write`` (rotary queries and keys, new keys and values into the cache) and
   ``silu_and_mul``: one loop each instead of several ATen calls.

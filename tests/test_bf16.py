@@ -143,6 +143,54 @@ def test_decode_attention_on_a_bf16_cache_matches_fp32_on_the_same_values(kernel
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+BF16_DOT = (k := fused_layers.load()) is not None and k.bf16_dot_supported()
+
+
+@pytest.mark.skipif(not BF16_DOT, reason="the CPU has no AVX512-BF16 (the prefill attention kernel's)")
+@pytest.mark.parametrize(("chunk", "cached", "heads", "kv_heads", "dim", "block_size"), [
+    (37, 0, 9, 3, 64, 16), (5, 100, 9, 3, 64, 16), (64, 300, 8, 1, 128, 16), (13, 7, 4, 4, 32, 8),
+    (1, 31, 9, 3, 64, 16), (200, 33, 2, 1, 256, 32)])
+def test_prefill_attention_matches_exact_attention_on_the_same_bf16_values(kernels, chunk: int, cached: int,
+                                                                          heads: int, kv_heads: int, dim: int,
+                                                                          block_size: int) -> None:
+    """The chunk attends to the cached context and causally to itself, read through a shuffled block table; against
+    float64 attention on the same bf16 keys, values and rounded queries it errs no more than torch's bf16 flash
+    attention does (both round the probabilities to bf16 for the product with the values)."""
+    generator = torch.Generator().manual_seed(chunk + cached)
+    context = cached + chunk
+    blocks = -(-context // block_size)
+    keys = (torch.randn(blocks + 3, block_size, kv_heads, dim, generator=generator) * 2).bfloat16()
+    values = torch.randn(blocks + 3, block_size, kv_heads, dim, generator=generator).bfloat16()
+    table = torch.randperm(blocks + 3, generator=generator)[:blocks]
+    query = torch.randn(chunk, heads, dim, generator=generator) * 2
+    scale = dim ** -0.5
+    got = kernels.prefill_attention(query, keys, values, table, context, scale)
+
+    def gathered(cache: torch.Tensor) -> torch.Tensor:  # [1, kv_heads, context, dim]
+        return cache[table].reshape(-1, kv_heads, dim)[:context].transpose(0, 1).unsqueeze(0)
+
+    q = query.bfloat16().transpose(0, 1).unsqueeze(0)
+    mask = torch.arange(context)[None, :] <= torch.arange(cached, context)[:, None]
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), gathered(keys).double(), gathered(values).double(), attn_mask=mask, scale=scale, enable_gqa=True)
+    torch_bf16 = torch.nn.functional.scaled_dot_product_attention(q, gathered(keys), gathered(values),
+                                                                  attn_mask=mask, scale=scale, enable_gqa=True)
+    exact = exact.squeeze(0).transpose(0, 1)
+    assert got.shape == query.shape and got.dtype == torch.float32
+    ours, theirs = (got.double() - exact).abs().max(), (torch_bf16.squeeze(0).transpose(0, 1).double() - exact).abs().max()
+    assert ours <= max(1.5 * theirs, 1e-3), (ours, theirs)
+    torch.testing.assert_close(got.double(), exact, rtol=0.02, atol=0.02)
+
+
+@pytest.mark.skipif(not BF16_DOT, reason="the CPU has no AVX512-BF16 (the prefill attention kernel's)")
+def test_prefill_attention_rejects_a_context_shorter_than_its_chunk(kernels) -> None:
+    keys = torch.zeros(4, 16, 3, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="context 5 must cover the chunk \\(8\\)"):
+        kernels.prefill_attention(torch.zeros(8, 9, 64), keys, keys, torch.arange(4), 5, 0.125)
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernels.prefill_attention(torch.zeros(8, 9, 64), keys.float(), keys.float(), torch.arange(4), 8, 0.125)
+
+
 def test_rotary_cache_write_rounds_into_a_bf16_cache(kernels, fp32: LLM) -> None:
     generator = torch.Generator().manual_seed(5)
     tokens, heads, kv_heads, dim = 4, 9, 3, 64

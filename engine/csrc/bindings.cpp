@@ -13,6 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "the decoder's layer loop for one step (engine/model.py, in C++)", nogil);
   m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2) + eps) * weight over the last dimension (fp32)", nogil);
   m.def("decode_attention", &decode_attention, "decode attention straight from the paged KV cache (fp32)", nogil);
+  m.def("prefill_attention", &prefill_attention,
+        "a prefill chunk's causal attention over its cached context and itself, from the paged bf16 cache", nogil);
   m.def("linear", &small_batch_linear, "residual + at::linear(input, weight, bias), without BLAS up to the limit",
         py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("residual") = py::none(), nogil);
   m.def("set_tiled_rows_limit", &set_tiled_rows_limit, "inputs of more rows than this (and > 6) go to at::linear",

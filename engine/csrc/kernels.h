@@ -32,6 +32,10 @@ Tensor silu_and_mul(const Tensor& gate_up);
 Tensor decode_attention(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                         const Tensor& block_tables, const Tensor& context_lens, double scale);
 
+// prefill_attention.cpp (bf16 caches, CPUs with AVX512-BF16)
+Tensor prefill_attention(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                         const Tensor& block_table, int64_t context_len, double scale);
+
 // layer_loop.cpp
 Tensor decoder_layers(Tensor hidden, const Tensor& cos, const Tensor& sin, const Tensor& slot_mapping,
                       std::vector<int64_t> decode_start, std::vector<int64_t> decode_end,

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "linear_bf16_dot.h"
 
 // [seqs, blocks] block ids -> [seqs, kv_heads, blocks * block_size, dim] (engine/attention.py's _gather)
 static Tensor gather(const Tensor& cache, const Tensor& block_tables) {
@@ -39,8 +40,14 @@ static Tensor paged_attention(const Tensor& query, const Tensor& key, const Tens
   for (size_t g = 0; g < b.decode_start.size(); ++g)
     out.slice(0, b.decode_start[g], b.decode_end[g]).copy_(decode_group(query, key_cache, value_cache, b, g, scale));
   const auto cache_type = key_cache.scalar_type();  // the chunks' attention runs in it (engine/attention.py)
+  const bool own_prefill = cache_type == at::kBFloat16 && bf16_dot_supported();
   for (size_t c = 0; c < b.prefill_start.size(); ++c) {
     const int64_t start = b.prefill_start[c], end = b.prefill_end[c];
+    if (own_prefill) {
+      out.slice(0, start, end).copy_(prefill_attention(query.slice(0, start, end), key_cache, value_cache,
+                                                       b.prefill_tables[c], b.prefill_context[c], scale));
+      continue;
+    }
     Tensor q = query.slice(0, start, end).transpose(0, 1).unsqueeze(0).to(cache_type);
     Tensor o;
     if (!b.prefill_masks[c].has_value()) {
