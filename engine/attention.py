@@ -57,7 +57,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     own_prefill = (kernels is not None and key_cache.dtype == torch.bfloat16 and query.dtype == torch.float32
                    and kernels.bf16_dot_supported())
     for chunk in meta.prefills:
-        if own_prefill:  # the C++ kernel, reading the context (the chunk's own keys included) from the cache
+        if own_prefill and kernels is not None:  # the C++ kernel, reading the context (the chunk's own keys included) from the cache
             out[chunk.start : chunk.end] = kernels.prefill_attention(
                 query[chunk.start : chunk.end], key_cache, value_cache, chunk.block_table, chunk.context_len, scale)
             continue
