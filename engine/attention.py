@@ -54,11 +54,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out = torch.empty_like(query)
     for group in meta.decode_groups:
         out[group.start : group.end] = _decode_group(query, key_cache, value_cache, group, scale, kernels)
-    own_prefill = (kernels is not None and key_cache.dtype == torch.bfloat16 and query.dtype == torch.float32
-                   and kernels.bf16_dot_supported())
+    prefill_kernels = (kernels if kernels is not None and key_cache.dtype == torch.bfloat16
+                       and query.dtype == torch.float32 and kernels.bf16_dot_supported() else None)
     for chunk in meta.prefills:
-        if own_prefill and kernels is not None:  # the C++ kernel, reading the context (the chunk's own keys included) from the cache
-            out[chunk.start : chunk.end] = kernels.prefill_attention(
+        if prefill_kernels is not None:  # the C++ kernel: the context, the chunk's own keys included, from the cache
+            out[chunk.start : chunk.end] = prefill_kernels.prefill_attention(
                 query[chunk.start : chunk.end], key_cache, value_cache, chunk.block_table, chunk.context_len, scale)
             continue
         # In the cache's dtype: a bf16 cache beside fp32 activations runs the chunk's attention in bf16 (torch's bf16

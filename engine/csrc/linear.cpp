@@ -189,9 +189,10 @@ static Tensor with_extras(Tensor out, const std::optional<Tensor>& bias, const s
 // fp32 input, a packed bf16 weight (pack_vnni_weight: [N/16, K/32, 16, 32]): fp32 out, any row count; AMX tiles
 // where they are the kernel in use, vdpbf16ps register tiles otherwise.
 static Tensor packed_weight_linear(const Tensor& input, const Tensor& packed, const std::optional<Tensor>& bias,
-                                const std::optional<Tensor>& residual) {
+                                   const std::optional<Tensor>& residual) {
   TORCH_CHECK(bf16_dot_supported(), "linear: a packed bf16 weight needs a CPU with AVX512-BF16");
-  TORCH_CHECK(input.dim() == 2 && input.is_cpu() && packed.is_contiguous(), "linear: a packed weight takes a 2-d input");
+  TORCH_CHECK(input.dim() == 2 && input.is_cpu() && packed.is_contiguous(),
+              "linear: a packed weight takes a 2-d input");
   const int64_t M = input.size(0), K = packed.size(1) * packed.size(3), N = packed.size(0) * packed.size(2);
   TORCH_CHECK(input.size(1) == K, "linear: input has ", input.size(1), " features, weight expects ", K);
   if (!fp32_extras(bias, residual, M, N))  // rare forms: the product here, the extras by ATen

@@ -1,7 +1,7 @@
 // linear with bf16 inputs and weights on AMX tiles (see linear_bf16_amx.h). The weight is packed once, at load, into
 // 1 KB blocks in the order the kernel reads them (pack_vnni_weight); x is rounded to bf16 into rows padded to 16.
-// Work is split over column blocks of the output (each thread streams its own part of the weight once per step, as the streaming
-// kernels do); within one, 2 x 2 tiles (32 rows of x by 32 columns) for long inputs, 1 x 4 tiles for up to 16 rows.
+// Work is split over column blocks of the output (each thread streams its own part of the weight once per step, as
+// the streaming kernels do); within one, 2 x 2 tiles (32 rows of x by 32 columns) for long inputs, 1 x 4 tiles for up to 16 rows.
 #include "linear_bf16_amx.h"
 
 #include <algorithm>

@@ -1,6 +1,6 @@
 // linear with bf16 inputs and a bf16 weight in the packed layout on vdpbf16ps (see linear_bf16_vnni.h): up to 4 rows
-// of x one column block at a time (stream_block), register tiles above. A register tile is MR rows of x by NB column blocks of 16: MR x NB fp32 accumulators; per pair of K, NB weight
-// rows (64 bytes each, one per block) and MR broadcast pairs of x feed MR x NB vdpbf16ps. Work is split over column
+// of x one column block at a time (stream_block), register tiles above. A register tile is MR rows of x by NB column
+// blocks of 16: MR x NB fp32 accumulators; per pair of K, NB weight rows (64 bytes each, one per block) and MR broadcast pairs of x feed MR x NB vdpbf16ps. Work is split over column
 // blocks (each thread streams its own part of the weight once per call, as the other kernels do); within a group of
 // NB blocks every row tile passes over the group's weight panel, which stays in L2 after the first.
 #include "linear_bf16_vnni.h"

@@ -16,6 +16,7 @@
 
 #include "kernels.h"
 #include "linear_bf16_dot.h"
+#include "simd.h"
 #include "work_pool.h"
 
 #if defined(__x86_64__)
@@ -58,21 +59,8 @@ void pack_head(const c10::BFloat16* keys, const c10::BFloat16* values, const int
 
 inline __m512bh broadcast_pair(const uint32_t* p) { return reinterpret_cast<__m512bh>(_mm512_set1_epi32(*p)); }
 
-// exp of 16 floats (the same polynomial as simd.h's exp16), x <= 0 here.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  const __m512 rr = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_fmadd_ps(rr, _mm512_set1_ps(1.9875691500e-4f), _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, rr, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(rr, rr), rr), _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+// exp of 16 floats: simd.h's exp16 (GCC's vector of 16 floats and __m512 convert by a cast).
+inline __m512 exp_ps(__m512 x) { return static_cast<__m512>(exp16(static_cast<Vec16>(x))); }
 
 // One query head's rows q0..q0+rows-1 of the chunk over all the keys they may see.
 void query_tile(const float* query, const uint32_t* packed_keys, const uint32_t* packed_values, float* out,
@@ -188,14 +176,20 @@ Tensor prefill_attention(const Tensor& query, const Tensor& key_cache, const Ten
               ") and fit the block table");
   const int64_t padded = (context_len + kKeys - 1) / kKeys * kKeys;
   const Shapes s{chunk, heads, kv_heads, dim, context_len - chunk, context_len, padded};
-  std::vector<uint32_t> packed_keys(kv_heads * padded * dim / 2), packed_values(kv_heads * padded * dim / 2);
+  // this thread's buffers, kept across calls (a step calls once per layer); pack_head writes every element
+  // (the workers get pointers: inside their loop bodies the names would be their own threads' buffers)
+  thread_local std::vector<uint32_t> keys_buffer, values_buffer;
+  keys_buffer.resize(kv_heads * padded * dim / 2);
+  values_buffer.resize(kv_heads * padded * dim / 2);
+  uint32_t* packed_keys = keys_buffer.data();
+  uint32_t* packed_values = values_buffer.data();
   const auto* keys = key_cache.data_ptr<c10::BFloat16>();
   const auto* values = value_cache.data_ptr<c10::BFloat16>();
   const int64_t* tp = table.data_ptr<int64_t>();
   Tensor out = at::empty_like(query);
   parallel_for(0, kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t kv = begin; kv < end; ++kv)
-      pack_head(keys, values, tp, block_size, s, kv, packed_keys.data(), packed_values.data());
+      pack_head(keys, values, tp, block_size, s, kv, packed_keys, packed_values);
   });
   const int64_t tiles = (chunk + kRows - 1) / kRows;
   const float* qp = query.data_ptr<float>();
@@ -203,7 +197,7 @@ Tensor prefill_attention(const Tensor& query, const Tensor& key_cache, const Ten
   parallel_for(0, heads * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t head = item / tiles, q0 = (item % tiles) * kRows;
-      query_tile(qp, packed_keys.data(), packed_values.data(), op, s, head, q0, std::min(kRows, chunk - q0),
+      query_tile(qp, packed_keys, packed_values, op, s, head, q0, std::min(kRows, chunk - q0),
                  static_cast<float>(scale));
     }
   });
