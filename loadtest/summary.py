@@ -58,9 +58,16 @@ def token_gaps(record: RequestRecord) -> np.ndarray:
 
 
 def request_tbt_p99(record: RequestRecord) -> float:
-    """The 99th percentile of one request's own gaps (0.0 with fewer than two tokens)."""
-    g = token_gaps(record)
-    return float(np.percentile(g, 99)) if g.size else 0.0
+    """The 99th percentile of one request's own gaps (0.0 with fewer than two tokens), numpy's linear interpolation
+    written out: it runs once per request in every summary and measurement, where np.percentile's overhead was
+    most of their time."""
+    g = np.sort(token_gaps(record))
+    if not g.size:
+        return 0.0
+    position = 0.99 * (g.size - 1)
+    below = int(position)
+    above = min(below + 1, g.size - 1)
+    return float(g[below] + (g[above] - g[below]) * (position - below))
 
 
 def e2e(record: RequestRecord) -> float:

@@ -198,16 +198,15 @@ class MeasurementPolicy:
     level: float = 0.95      # two-sided confidence level of every interval, in (0.5, 1)
     min_gaps: int = 400      # a p99 TBT is judged only from this many pooled gaps on (>= 1)
     cap: float = 60.0        # seconds of measurement windows at most (>= trial_duration)
+    block: float = 3.0       # seconds of arrivals per block, the unit of an attainment's evidence (> 0): longer than
+                             # a queue episode (tuner/measure/dependence.py)
 
 
 @dataclass(frozen=True)
 class CapacityPolicy:
     """The per-config rate search (tuner/measure/capacity.py)."""
 
-    resolution: float = 0.15  # stop when the bracket's high/low <= 1 + resolution (> 0)
-    # the default config's search, coarser: the verdict measures the default again beside every candidate, and its
-    # low rates need long windows (a fine bracket there took half a run's searches)
-    default_resolution: float = 1.0
+    resolution: float = 0.15  # stop when the searched bracket's high/low <= 1 + resolution (> 0), every config's
     max_probes: int = 6       # measurements per config at most (>= 1)
     start_rate: float = 1.0   # req/s of the first probe when nothing is known yet (> 0)
 

@@ -228,11 +228,11 @@ class MeasurementDoc(Doc):
     level: float = Field(0.95, gt=0.5, lt=1.0)
     min_gaps: int = Field(400, ge=1)
     cap: PositiveSeconds = 60.0
+    block: PositiveSeconds = 3.0
 
 
 class CapacityDoc(Doc):
     resolution: float = Field(0.15, gt=0)
-    default_resolution: float = Field(1.0, gt=0)
     max_probes: int = Field(6, ge=1)
     start_rate: float = Field(1.0, gt=0)
 

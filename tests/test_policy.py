@@ -29,8 +29,9 @@ def test_default_policy_loads_and_is_attainable_shaped() -> None:
     assert p.rate is None and p.sampler == "tpe" and p.objective == "capacity"
     assert p.slo.ttft_p99 == pytest.approx(2.0) and p.workload.output_scale == 0.25
     assert p.measurement.level == 0.95 and p.measurement.min_gaps == 400 and p.measurement.cap == 45.0
-    assert p.capacity.resolution == 0.15 and p.verdict.max_rounds == 4 and p.verdict.budget == 300.0
-    assert p.time_budget == 840.0
+    assert p.measurement.block == 3.0  # an attainment's blocks: longer than a queue episode near the knee
+    assert p.capacity.resolution == 0.15 and p.verdict.max_rounds == 4 and p.verdict.budget == 660.0
+    assert p.time_budget == 1320.0
 
 
 def test_default_policy_is_package_data() -> None:

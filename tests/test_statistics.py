@@ -7,8 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from tuner.measure.statistics import (Interval, lower_verdict, min_samples_to_bound, paired_ratio_interval,
-                              proportion_interval, quantile_interval, quantile_ranks, ratio_verdict, upper_verdict)
+from tuner.measure.dependence import attainment_interval, mean_confidence_sequence, paired_difference_interval
+from tuner.measure.statistics import (Interval, bonferroni_level, lower_verdict, min_samples_to_bound,
+                                      proportion_interval, quantile_interval, quantile_ranks, upper_verdict)
 
 
 @pytest.mark.parametrize("n", [400, 1000, 5000])
@@ -55,31 +56,38 @@ def test_proportion_interval_is_clopper_pearson() -> None:
     assert proportion_interval(10, 10).high == 1.0
 
 
-def test_paired_ratio_of_two_draws_of_one_config_is_no_difference() -> None:
-    rng = np.random.default_rng(7)
-    draws = rng.uniform(2.0, 4.0, size=6)  # each repeat's arrival draw moves both configs alike
-    a = draws * rng.normal(1.0, 0.03, size=6)
-    b = draws * rng.normal(1.0, 0.03, size=6)
-    ratio = paired_ratio_interval(a, b)
-    assert ratio.contains(1.0) and ratio_verdict(ratio) == "no difference beyond the noise"
+def test_the_confidence_sequence_of_bounded_means_holds_at_every_look() -> None:
+    """Looking after every observation and stopping at the first that excludes the truth: at most 1 - level of the
+    runs ever exclude it (a fixed-sample interval looked at this often would, far more often)."""
+    rng = np.random.default_rng(11)
+    truth, runs, ever = 0.9, 400, 0
+    for _ in range(runs):
+        x = rng.beta(9, 1, size=80)  # mean 0.9, in [0, 1]
+        excluded = False
+        for t in (10, 20, 40, 80):
+            cs = mean_confidence_sequence(x[:t], 0.95, truth)
+            excluded |= not cs.low <= truth <= cs.high
+        ever += excluded
+    assert ever / runs <= 0.05
 
 
-def test_paired_ratio_names_the_better_config() -> None:
-    rng = np.random.default_rng(8)
-    draws = rng.uniform(2.0, 4.0, size=5)
-    tuned = 1.5 * draws * rng.normal(1.0, 0.03, size=5)
-    default = draws * rng.normal(1.0, 0.03, size=5)
-    ratio = paired_ratio_interval(tuned, default)
-    assert ratio.low > 1.3 and ratio.high < 1.7 and ratio_verdict(ratio) == "better"
-    assert ratio_verdict(paired_ratio_interval(default, tuned)) == "worse"
-    # The pairing matters: unpaired, the draws' spread (2-4) would swamp a 1.5x effect with 5 repeats.
-    single = paired_ratio_interval(tuned[:1], default[:1])
-    assert single.high == math.inf and ratio_verdict(single) == "no difference beyond the noise"
+def test_the_paired_difference_pairs_blocks_of_the_same_arrivals() -> None:
+    same = [(9, 10)] * 60
+    worse = [(5, 10)] * 60
+    diff = paired_difference_interval(same, worse)
+    assert diff.value == pytest.approx(0.4) and diff.low > 0.3 and diff.n == 60
+    assert paired_difference_interval(same, same).contains(0.0)
+    assert paired_difference_interval(same[:10], worse).n == 10  # the blocks both measured
+    assert math.isnan(paired_difference_interval([], worse).value)
+
+
+def test_claims_that_must_hold_together_share_the_error_rate() -> None:
+    assert bonferroni_level(0.95, 5) == pytest.approx(0.99)
+    assert attainment_interval([(10, 10)] * 60, bonferroni_level(0.95, 5)).low < \
+        attainment_interval([(10, 10)] * 60, 0.95).low
 
 
 def test_interval_formats_and_serializes_unbounded_sides() -> None:
     est = Interval(0.045, 0.040, math.inf, 0.95, 200)
     assert est.format(" ms", 1000) == "45 ms (40-?)"
     assert est.as_dict() == {"value": 0.045, "low": 0.040, "high": None, "level": 0.95, "n": 200}
-    with pytest.raises(ValueError):
-        paired_ratio_interval([1.0], [1.0, 2.0])

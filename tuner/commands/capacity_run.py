@@ -2,33 +2,33 @@
 simulator's screen of the search space (its step times rescaled to the engine's own steps), the engine's capacity
 searches of the configs that matter (the study's trials), the paired verdict, and the outputs.
 
-A config written as tuned has held: it beat the default beyond the noise in the paired rounds and was shown to
-serve a rate in every round. When no candidate does, tuned.yaml holds the safest config (the highest capacity lower
-bound, the default on ties) and says that nothing beat the default.
+A config written as tuned has held: the verdict showed it to serve a rate at or above one where the default was
+shown to miss (tuner/measure/verdict.py). When no candidate did, tuned.yaml holds the safest config (the highest
+rate shown served on the verdict's draws, the default on ties) and says that nothing was shown to serve more.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import optuna
 
 from slotune.units import format_duration
 from loadtest.summary import SLO
-from tuner.measure.capacity import CapacitySearcher, capacity_searcher
+from tuner.measure.capacity import MIN_RATE, CapacitySearcher, Shown, capacity_searcher, measurement_spec
 from tuner.measure.floor import measure_floor
-from tuner.measure.measurement import Measurement, MeasurementSpec, measure
+from tuner.measure.measurement import Measurement, measure
 from tuner.output import short_knobs, write_report, write_tuned_yaml, write_vllm
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.search.confirmation import confirmed_rows
 from tuner.search.study import ROLE_DEFAULT, TrialReport, longest_trial_s, measured, run_trials, starts_in_time
 from tuner.trials.trial_runner import TrialRunner
-from tuner.measure.verdict import DEFAULT, Contender, Sample, VerdictResult, look_level, paired_verdict, verdict_line
+from tuner.measure.verdict import (DEFAULT, Contender, Sample, VerdictResult, ceiling_rate, first_rate,
+                                    paired_verdict, pool_levels, rate_key, verdict_line)
+from tuner.measure.verdict_plan import VerdictPlan, sample_of
 
 if TYPE_CHECKING:
     from tuner.commands.session import TuneSession
@@ -53,6 +53,8 @@ class CapacityRun:
         self.model = model
         self.searcher: CapacitySearcher = capacity_searcher(runner, self.p)
         self.searcher.on_probe = self.probe_line
+        self.searcher.draw = session.draws.search
+        self.plan = VerdictPlan.of(self.p)
         self.floor: dict[str, Any] = {}
         self.rescreen: Rescreen | None = None  # the screen kept at the engine's speed
 
@@ -65,9 +67,9 @@ class CapacityRun:
             f"batch 4) ...")
         from tuner.trials import arrangement
 
-        floor, _ = measure_floor(self.runner, self.s.trials_dir / "floor", spec=self.searcher.spec,
+        floor, _ = measure_floor(self.runner, self.s.trials_dir / "floor", spec=measurement_spec(p),
                                  arrangements=arrangement.candidates(self.runner),
-                                 arrange=lambda a: arrangement.apply(self.runner, a))
+                                 arrange=lambda a: arrangement.apply(self.runner, a), draw=self.s.draws.floor)
         self.floor = floor.as_dict()
         say(f"{PROG}: floor: {floor.describe()}")
         if floor.reason is not None or floor.below(SLO(**p.slo.as_dict())):
@@ -105,9 +107,12 @@ class CapacityRun:
         knobs = "default config" if r.role == ROLE_DEFAULT else short_knobs(r.outcome.knobs, names)
         cap = self.study.trials[r.number].user_attrs.get("capacity") or {}
         high = (cap.get("bracket") or [None, None])[1]
+        shown = Shown(*(lambda b: (b[0] or 0.0, math.inf if b[1] is None else b[1]))(
+            (cap.get("shown") or {}).get("bracket") or [0.0, None]), self.p.measurement.level)
         best = "none yet" if r.best is None else f"{r.best.values[0]:.3g} req/s (#{r.best.number})"
-        say(f"[{r.done}/{r.total}] #{r.number} {knobs} | capacity {r.value:.3g} req/s (bracket {r.value:.3g}-"
-            f"{'?' if high is None else f'{high:.3g}'}) | best {best} | {format_duration(r.seconds)}")
+        say(f"[{r.done}/{r.total}] #{r.number} {knobs} | searched {r.value:.3g} req/s ({r.value:.3g}-"
+            f"{'?' if high is None else f'{high:.3g}'}), {shown.format()} | best searched {best} | "
+            f"{format_duration(r.seconds)}")
 
     def screen(self) -> None:
         """The simulator, its step times rescaled to the steps the engine ran, screens the space for capacity; the
@@ -156,26 +161,7 @@ class CapacityRun:
         return self.s.started + self.p.time_budget - self.verdict_reserve_s()
 
     def verdict_reserve_s(self) -> float:
-        return min(self.p.verdict.budget, 2 * self.full_round_s())
-
-    def full_round_s(self) -> float:
-        """A verdict round with every measurement at the cap (warm-up and window each), no idle waits."""
-        p = self.p
-        window = self.sustained_window_s()
-        measurement = (window + p.warmup if window is not None
-                       else self.searcher.spec.max_segments * (p.trial_duration + p.warmup))
-        return (1 + p.verdict.candidates) * measurement
-
-    def sustained_window_s(self) -> float | None:
-        """The verdict's one sustained window at the highest rates (longer at low ones); None where the policy has
-        it measure in windows in turn (``verdict.window: 0``)."""
-        return self.verdict_spec(1).sustained_window_at(math.inf) if self.p.verdict.window > 0 else None
-
-    def planned_looks(self, budget: float) -> int:
-        """The verdict's looks, fixed before its first round: the full rounds its budget holds (the policy's
-        max_rounds at most, one at least). Each look gets a Bonferroni share of the error rate: a budget that holds
-        two rounds is not split four ways, which would leave each round's pools wider than they need to be."""
-        return max(1, min(self.p.verdict.max_rounds, int(budget // self.full_round_s())))
+        return min(self.p.verdict.budget, 2 * self.plan.full_round_s())
 
     def after_trial(self, r: TrialReport) -> None:
         """The trial's line, then the next screened trial, ranked at the engine's speed (not when no further search
@@ -187,8 +173,9 @@ class CapacityRun:
     # ------------------------------------------------------------------------------------------------ verdict
 
     def contenders(self) -> tuple[Contender, list[Contender]]:
-        """The default config (its search's probes pooled in: nothing selected it for them) and the best
-        candidates by searched capacity (their search probes left out: they were picked for them)."""
+        """The default config and the best candidates by searched capacity. No search probe is pooled into the
+        verdict: the searches ran in windows from an idle engine and the candidates were picked for how theirs went
+        (the winner's curse); the verdict's claims rest on its own sustained measurements on fresh draws."""
         trials = [t for t in measured(self.study) if "capacity" in t.user_attrs]
         default = next(t for t in trials if t.user_attrs.get("role") == ROLE_DEFAULT)
         others = sorted((t for t in trials if t.user_attrs.get("role") != ROLE_DEFAULT and t.values[0] > 0),
@@ -198,65 +185,54 @@ class CapacityRun:
             h = (t.user_attrs["capacity"].get("bracket") or [None, None])[1]
             return math.inf if h is None else float(h)
 
-        # the default is measured at the candidates' rates (paired_verdict); its claim is its searched capacity
         d = Contender(DEFAULT, dict(default.user_attrs["knobs"]), default.values[0], search_high=high(default))
-        for probe in default.user_attrs["capacity"].get("probes") or []:
-            if "requests" in probe:
-                d.add(Sample(probe["rate"], -1, int(probe["attaining"]), int(probe["requests"]), probe.get("reason"),
-                             probe.get("output_tokens_per_s"), probe.get("describe", ""),
-                             float(probe.get("design_effect", 1.0))), self.p.measurement.level)
-        # a candidate's searched capacity is the best of the searched configs on one draw (the winner's curse): its
-        # verdict starts one step below it, where fresh draws are likely to show it served
-        step = 1 + 2 * self.p.capacity.resolution
+        # a candidate's searched capacity is the best of the searched configs on one draw: its verdict starts below
+        # it, where fresh draws are likely to show it served (verdict.first_rate)
         return d, [Contender(f"candidate {i + 1} (trial #{t.number})", dict(t.user_attrs["knobs"]), t.values[0],
-                             search_high=high(t), next_rate=t.values[0] / step) for i, t in enumerate(others)]
+                             search_high=high(t), next_rate=first_rate(t.values[0], d.search_high, self.plan.step))
+                   for i, t in enumerate(others)]
 
-    def verdict_spec(self, looks: int) -> MeasurementSpec:
-        """The measurement's sizing at the per-look level of a verdict of ``looks`` looks, in one sustained window of
-        the policy's ``verdict.window``: a capacity claimed is one the engine sustains that long."""
-        return replace(self.searcher.spec, level=look_level(self.p.measurement.level, looks),
-                       sustained_s=self.p.verdict.window)
+    def beside(self, c: Contender, rate: float) -> bool:
+        """Whether ``c`` at ``rate`` is measured beside a candidate (the default at a candidate's rate)."""
+        return not c.is_default or ceiling_rate(c, self.plan.step) != rate_key(rate)
 
-    def measure_at(self, spec: MeasurementSpec, c: Contender, rate: float, draw: int) -> Sample:
-        """One measurement of the contender at ``rate`` on arrival draw ``draw``, sized by the verdict's ``spec`` (at
-        its per-look level, so that one round can decide)."""
+    def measure_at(self, c: Contender, rate: float, draw: int) -> Sample:
+        """One sustained measurement of the contender at ``rate`` on arrival draw ``draw`` (VerdictPlan)."""
         folder = (self.s.trials_dir / "verdict" / f"draw-{draw}" / c.name.split(" (")[0].replace(" ", "-")
                   / f"rate-{rate:.4g}")
-        m = measure(self.runner, c.knobs, rate, folder, draw, spec,
-                    aim="missed" if c.is_default else "met")
+        spec = self.plan.spec_for(c.is_default, self.beside(c, rate))
+        say(f"  {c.name}, draw {draw}, {rate:.3g} req/s: one window of {format_duration(spec.sustained_s)} ...")
+        m = measure(self.runner, c.knobs, rate, folder, draw, spec)
         say(f"  {c.name}, draw {draw}, {rate:.3g} req/s: {m.describe()}")
-        f = m.figures
-        return Sample(rate, draw, f.attaining if f else 0, f.requests if f else 0, m.reason, m.output_tokens_per_s,
-                      m.describe(), f.design_effect if f else 1.0)
+        return sample_of(m, draw)
 
     def finish(self) -> int:
         p = self.p
         default, candidates = self.contenders()
-        if not candidates and not any(t.values[0] > 0 for t in measured(self.study) if "capacity" in t.user_attrs):
+        if not candidates:
             return self.none_shown()
         # the verdict gets its budget, or what is left of the run's when the searches ran late (one round at least)
         budget = max(0.0, min(p.verdict.budget, self.s.started + p.time_budget - time.monotonic()))
-        looks = self.planned_looks(budget)
-        spec = self.verdict_spec(looks)
-        window = self.sustained_window_s()
-        say(f"{PROG}: verdict: the default and {len(candidates)} candidate(s) at fixed rates (a candidate one step "
-            f"below its searched capacity, the default beside it), requests pooled per rate over fresh arrival draws, "
-            f"the same draw for every config in a round, each measurement "
-            + (f"one sustained window of {format_duration(window)}" if window is not None
-               else "in windows until decided")
-            + f", up to {looks} rounds (looks at {spec.level:.2%} each) or {format_duration(budget)} ...")
-        # a candidate steps down no lower than the default's capacity (below it, shown served cannot be better) nor
-        # than the lowest rate a measurement can show served at, at the verdict's per-look level
-        floor = max(default.shown_served(), spec.lowest_rate_to_show())
-        result = paired_verdict(default, candidates, functools.partial(self.measure_at, spec), looks, budget,
-                                p.measurement.level, step=1 + 2 * p.capacity.resolution, floor=floor,
-                                on_round=self.round_line)
+        c_level, d_level = pool_levels(p.measurement.level, len(candidates))
+        say(f"{PROG}: verdict: the default and {len(candidates)} candidate(s) at fixed rates on fresh arrival draws, "
+            f"the same draw for every config in a round: a candidate below its searched capacity in one window of "
+            f"{format_duration(self.plan.window_for(False))}, the default beside it on the same arrivals "
+            f"({format_duration(self.plan.window_for(True))}) and at its own ceiling "
+            f"({format_duration(self.plan.window_for(True, beside=False))}); rounds while "
+            f"{format_duration(budget)} holds them (the first {format_duration(self.plan.full_round_s())}); claims "
+            f"at {p.measurement.level:.0%} together (candidate pools at {c_level:.2%}, the default's at "
+            f"{d_level:.2%}) ...")
+        result = paired_verdict(default, candidates, self.measure_at, p.verdict.max_rounds, budget,
+                                p.measurement.level, step=self.plan.step, floor=MIN_RATE,
+                                first_draw=self.s.draws.verdict, on_round=self.round_line,
+                                cost=lambda plan: self.plan.round_s([(c.is_default, self.beside(c, r))
+                                                                     for c, r in plan]))
         chosen, held = self.choose(result)
         return self.write(result, chosen, held)
 
     def none_shown(self) -> int:
-        """No config was shown to serve any rate: what each search saw, worded by its verdicts (an undecided rate is
-        at the edge of the target share, not missed), on stderr and in the report; exit 1."""
+        """No candidate read served at any rate it was searched at: what each search saw, worded by its verdicts (an
+        undecided rate is at the edge of the target share, not missed), on stderr and in the report; exit 1."""
         report = self.s.out.with_suffix(".html")
         names = [k.name for k in self.p.search_space]
         lines, undecided = [], False
@@ -271,7 +247,7 @@ class CapacityRun:
         advice = ("undecided is not missed: at the edge of the target share only more requests decide (a longer "
                   "measurement cap in the policy), and a looser target serves more" if undecided else
                   "every rate probed was missed: try a looser target")
-        head = f"{PROG}: no config was shown to serve any rate within {self.s.slo_text()}"
+        head = f"{PROG}: no candidate config read served at any rate searched within {self.s.slo_text()}"
         write_report(report, self.study, self.p.slo.as_dict(), f"tune: {self.s.study_name}",
                      [head] + lines + [advice])
         print("\n".join([head + f" ({len(lines)} configs searched):"] + lines + [f"  {advice}; report: {report}"]),
@@ -292,15 +268,13 @@ class CapacityRun:
 
         def sustained(knobs: dict[str, Any]) -> list[float | None] | None:
             c = next((c for c in in_verdict if c.knobs == knobs), None)
-            shown = c.capacity() if c is not None else None
-            return [shown.low, shown.high] if shown is not None else None
+            return c.shown().as_list() if c is not None else None
 
         model = self.rescreen.fitted(self.study) if self.rescreen is not None else None
         return confirmed_rows(self.study, self.twin(model), self.p, self.s.trials_dir / "twin", sustained)
 
     def round_line(self, r: int, result: VerdictResult) -> None:
-        parts = [f"{c.name.split(' (')[0]} {c.capacity().format(' req/s', 1, 3)}"
-                 + ("" if c.is_default else f" {result.outcome(c)}")
+        parts = [f"{c.name.split(' (')[0]} {c.shown().format()}" + ("" if c.is_default else f" {result.outcome(c)}")
                  for c in [result.default] + result.candidates]
         say(f"  round {r}: " + "; ".join(parts))
 
@@ -309,11 +283,11 @@ class CapacityRun:
         not its search's."""
         w = result.winner
         if w is not None:
-            say(f"{PROG}: {w.name}: searched capacity {w.claim:.3g} req/s on one draw, {w.capacity().value:.3g} "
-                f"req/s shown on fresh draws")
+            say(f"{PROG}: {w.name}: searched capacity {w.claim:.3g} req/s on one draw, {w.shown().low:.3g} "
+                f"req/s shown served on fresh draws")
             return w, True
         for c in result.candidates:
-            if c.shown_served() <= 0:
+            if c.shown().low <= 0:
                 say(f"{PROG}: {c.name} was not shown to serve any rate on fresh draws: not written as tuned")
         return result.safest, False
 
@@ -346,13 +320,15 @@ def slo_words(slo: dict[str, float | None]) -> str:
 
 
 def capacity_section(result: VerdictResult, chosen: Contender) -> dict[str, Any]:
-    """tuned.yaml's ``tuned`` and ``default``: each config's capacity (req/s) with its interval, and the ratio."""
+    """tuned.yaml's ``tuned`` and ``default``: each config's shown bracket (req/s) with its level, its pools, and the
+    ratio from shown bounds."""
     def entry(c: Contender) -> dict[str, Any]:
-        cap = c.capacity()
-        return {"name": c.name, "knobs": c.knobs, "capacity_req_per_s": cap.as_dict(),
-                "output_tokens_per_s": c.tokens_at(cap.value), "rounds": c.rounds,
-                "pools": [{"rate": p.rate, "attaining": p.attaining, "requests": p.requests,
-                           "verdict": p.verdict()} for p in sorted(c.pools.values(), key=lambda p: p.rate)]}
+        shown = c.shown()
+        return {"name": c.name, "knobs": c.knobs, "searched_req_per_s": c.claim, "capacity_req_per_s": shown.as_dict(),
+                "output_tokens_per_s": c.tokens_at(shown.low) if shown.low > 0 else None, "rounds": c.rounds,
+                "pools": [{"rate": p.rate, "attaining": p.attaining, "requests": p.requests, "blocks": len(p.blocks()),
+                           "attainment": p.attainment().as_dict(), "verdict": p.verdict()}
+                          for p in sorted(c.pools.values(), key=lambda p: p.rate)]}
 
     tuned = entry(chosen)
     if chosen is not result.default:

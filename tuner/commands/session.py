@@ -21,6 +21,7 @@ from tuner.search.auto_rate import choose_rate
 from tuner.search.study import (ROLE_DEFAULT, TrialReport, best_trial, closest_trial, counted_trials,
                          default_trial, enqueue_default, open_study, recover_orphans, run_trials,
                          study_name_for)
+from tuner.measure.measurement import Draws
 from tuner.trials.trial_runner import TrialOutcome, TrialRunner
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ class TuneSession:
         self.trial_seconds: list[float] = []
         self.applied = False
         self.rescreen: Rescreen | None = None  # --screen: the screen kept at the engine's speed
+        self.draws = Draws(policy.seed)
 
     # ---------------------------------------------------------------------------------------------- engine
 

@@ -48,14 +48,22 @@ def _rate_arg(text: str) -> float | None:
     return v
 
 
-def _positive_int(text: str) -> int:
+def _int_at_least(text: str, least: int) -> int:
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {text!r}") from None
+    if v < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}, got {text!r}")
     return v
+
+
+def _positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def _non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--screen", type=_positive_int, metavar="N",
                    help="screen N configs in the simulator first; the best few become the first trials on the engine "
                    "and the end report compares predicted with measured")
+    p.add_argument("--seed", type=_non_negative_int, metavar="N",
+                   help="the run's seed (default: the policy's, 0): the configs screened, the searches' and the "
+                   "verdict's arrival draws all follow from it; a seed other than 0 names its own study")
     return p
 
 
@@ -110,7 +121,7 @@ def policy_from_args(args: argparse.Namespace) -> Policy:
                                           output_scale=policy.workload.output_scale if keep else None)
     if "rate" in args:
         changes["rate"] = args.rate
-    for flag in ("trials", "trial_duration", "sampler", "objective"):
+    for flag in ("trials", "trial_duration", "sampler", "objective", "seed"):
         if getattr(args, flag) is not None:
             changes[flag] = getattr(args, flag)
     policy = policy.replace(**changes)

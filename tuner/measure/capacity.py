@@ -1,38 +1,82 @@
 """Capacity: the highest offered rate at which a config serves >= 90 % of its requests within the SLO, found by a
 rate search that brackets it and bisects the bracket to a stated resolution.
 
-The bracket is (low, high): ``low`` the highest rate a measurement showed served ("met"), ``high`` the lowest rate
-it did not (missed, or undecided: not shown to serve; an undecided rate is where noise decides, the edge). The
-search starts where what is known puts it (a neighbouring config's capacity, a simulator's prediction, the same
-config's earlier bracket), grows or shrinks by ``step`` until both sides are found, going down as well as up, then
-bisects geometrically until ``high / low <= 1 + resolution`` or the probes run out. The capacity is ``low``, with
-the bracket as its interval: the figure a loadtest at that rate can check. Probe i of a search is on arrival draw
-base + i, so that the bracket is not one draw's luck.
+Two brackets come out of a search, and they are not the same thing:
+
+- the **searched** bracket steers the search and ranks configs: ``low`` the highest rate whose attainment read at
+  least 90 % (its point estimate), ``high`` the lowest rate above it that read less. It says where the knee
+  probably is; it claims nothing.
+- the **shown** bracket is what the data show at a stated level (:class:`Shown`): ``low`` the highest rate shown
+  served (attainment "met"), ``high`` the lowest rate shown missed; an undecided probe bounds nothing, so either end
+  may stay open. Each probe is judged at the search's level spread over its probes (Bonferroni over
+  ``max_probes``; within a probe the confidence sequence holds at every look), so both ends hold together at the
+  stated level. Contradictory probes (a rate shown missed below one shown served) widen the bracket to cover both
+  and are reported; no rate is invented between them.
+
+The search starts where what is known puts it (a neighbouring config's capacity, a simulator's prediction, the same
+config's earlier bracket), grows or shrinks by ``step`` until both sides are found, then bisects geometrically
+until ``high / low <= 1 + resolution`` or the probes run out. Probe i of a search is on arrival draw base + i.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from policies import Policy
 from tuner.measure.measurement import TARGET_SHARE, Measurement, MeasurementSpec, measure
-from tuner.measure.statistics import Interval
+from tuner.measure.statistics import DEFAULT_LEVEL, bonferroni_level
 from tuner.trials.trial_backend import TrialBackend
 
 MIN_RATE = 0.02  # req/s: a config that does not serve this is infeasible at any rate
 
 
+@dataclass(frozen=True)
+class Shown:
+    """What a set of judged rates shows at ``level``: ``low`` the highest rate shown served below every rate shown
+    missed (0: none), ``high`` the lowest rate shown missed above every rate shown served (inf: none);
+    ``contradictions`` the pairs (served, missed) with the missed rate below the served one."""
+
+    low: float
+    high: float
+    level: float
+    contradictions: tuple[tuple[float, float], ...] = ()
+
+    @classmethod
+    def of(cls, judged: list[tuple[float, str]], level: float) -> Shown:
+        met = sorted(r for r, v in judged if v == "met")
+        missed = sorted(r for r, v in judged if v == "missed")
+        low = max((r for r in met if all(r < m for m in missed)), default=0.0)
+        high = min((r for r in missed if all(r > s for s in met)), default=math.inf)
+        return cls(low, high, level, tuple((s, m) for s in met for m in missed if m <= s))
+
+    def as_list(self) -> list[float | None]:
+        return [self.low, self.high if math.isfinite(self.high) else None]
+
+    def format(self) -> str:
+        """``shown at 95%: served 4.2 req/s, missed 8 req/s`` (an open end says so: ``served no rate``)."""
+        served = f"{self.low:.3g} req/s" if self.low > 0 else "no rate"
+        missed = f"{self.high:.3g} req/s" if math.isfinite(self.high) else "no rate"
+        text = f"shown at {self.level:.0%}: served {served}, missed {missed}"
+        if self.contradictions:
+            text += " (contradictory: " + ", ".join(f"served {s:.3g} but missed {m:.3g}"
+                                                     for s, m in self.contradictions) + ")"
+        return text
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"bracket": self.as_list(), "level": self.level, "contradictions": [list(c) for c in
+                                                                                   self.contradictions]}
+
+
 @dataclass
 class Capacity:
     knobs: dict[str, Any]
-    low: float = 0.0
-    high: float = math.inf
     probes: list[Measurement] = field(default_factory=list)
     resolution: float = 0.15
+    level: float = DEFAULT_LEVEL  # the shown bracket's level (its probes judged at a Bonferroni share of it)
     stopped: str = ""  # why the search ended
     # where the search began: probe i ran on arrival draw ``draw + i``; its first rate and step (a twin of the search,
     # in the simulator, starts there to see the same draws at the same rates while its verdicts agree)
@@ -40,53 +84,75 @@ class Capacity:
     start: float = 0.0
     step: float = 2.0
 
+    def steer(self) -> list[tuple[float, str]]:
+        """Each probe's reading for steering: "up" where its attainment read >= the target share (or was shown met),
+        "down" where it read less (or failed for the config); a void probe reads nothing."""
+        out = []
+        for m in self.probes:
+            if m.void is not None:
+                continue
+            if m.reason is not None or m.figures is None:
+                out.append((m.rate, "down"))
+            elif m.verdict == "met" or (m.verdict != "missed" and m.figures.attainment.value >= TARGET_SHARE):
+                out.append((m.rate, "up"))
+            else:
+                out.append((m.rate, "down"))
+        return out
+
+    @property
+    def searched(self) -> tuple[float, float]:
+        """The searched bracket (low, high): where the point estimates put the knee (contradictions widen it)."""
+        s = Shown.of([(r, "met" if d == "up" else "missed") for r, d in self.steer()], self.level)
+        return s.low, s.high
+
+    @property
+    def low(self) -> float:
+        return self.searched[0]
+
+    @property
+    def high(self) -> float:
+        return self.searched[1]
+
     @property
     def value(self) -> float:
+        """The searched capacity: it ranks configs and picks the verdict's rates; the shown bracket is the claim."""
         return self.low
 
     @property
     def bracket(self) -> list[float | None]:
-        """[low, high]; high None where no rate probed was missed."""
-        return [self.low, self.high if math.isfinite(self.high) else None]
+        """The searched [low, high]; high None where no rate probed read below the target."""
+        low, high = self.searched
+        return [low, high if math.isfinite(high) else None]
 
-    def narrow(self, rate: float, verdict: str) -> None:
-        """The bracket after a probe at ``rate`` decided ``verdict`` (anything but met narrows it from above)."""
-        if verdict == "met":
-            self.low = max(self.low, rate)
-        else:
-            self.high = min(self.high, rate)
-        if self.low > 0 and self.high <= self.low:  # a lower rate failed after a higher one served: noise; keep both
-            self.high = self.low * (1 + self.resolution)
+    @property
+    def shown(self) -> Shown:
+        return Shown.of([(m.rate, m.verdict) for m in self.probes], self.level)
 
     @property
     def resolved(self) -> bool:
-        return self.low > 0 and math.isfinite(self.high) and self.high / self.low <= 1 + self.resolution + 1e-9
+        low, high = self.searched
+        return low > 0 and math.isfinite(high) and high / low <= 1 + self.resolution + 1e-9
 
     @property
     def feasible(self) -> bool:
         return self.low > 0
 
     @property
-    def interval(self) -> Interval:
-        """The bracket (low, high) around the capacity (high infinite: never exceeded)."""
-        return Interval(self.low, self.low, self.high, 1.0, len(self.probes))
-
-    @property
     def at_capacity(self) -> Measurement | None:
-        """The measurement at ``low`` (the highest rate served), else the last one."""
-        served = [m for m in self.probes if m.verdict == "met" and m.rate == self.low]
-        return served[-1] if served else (self.probes[-1] if self.probes else None)
+        """The measurement at the searched low (the highest rate that read served), else the last one."""
+        here = [m for m in self.probes if m.rate == self.low and m.void is None]
+        return here[-1] if here else (self.probes[-1] if self.probes else None)
 
     @property
     def output_tokens_per_s(self) -> float | None:
         m = self.at_capacity
-        return m.output_tokens_per_s if m is not None and m.verdict == "met" else None
+        return m.output_tokens_per_s if m is not None and m.rate == self.low else None
 
     @property
     def bound(self) -> str:
-        """What ends the capacity: ``ttft`` or ``tbt`` when at the lowest rate not served only that target's pooled
-        p99 missed; empty when both did, neither did (attainment alone), or nothing was missed."""
-        above = [m for m in self.probes if m.verdict != "met" and m.rate >= self.high and m.figures is not None]
+        """What ends the capacity: ``ttft`` or ``tbt`` when at the lowest rate read below the target only that
+        target's pooled p99 missed; empty when both did, neither did (attainment alone), or nothing read below."""
+        above = [m for m in self.probes if m.rate >= self.high and m.figures is not None]
         if not above:
             return ""
         verdicts = min(above, key=lambda m: m.rate).figures.verdicts  # type: ignore[union-attr]
@@ -100,18 +166,19 @@ class Capacity:
         return reason if reason and reason.startswith("rejected") else None
 
     def describe(self) -> str:
-        """``3.1 req/s (bracket 3.1-3.4, 6 probes), 310 output tok/s``."""
+        """``searched 3.1 req/s (3.1-3.4, 6 probes), shown at 95%: served no rate, missed 4 req/s, 310 output tok/s``."""
+        if not self.probes:
+            return "capacity not measured"
         if not self.feasible:
-            return (f"capacity 0 (no rate down to {self.high:.3g} req/s served; {self.stopped})" if self.probes
-                    else "capacity not measured")
+            return (f"no rate read served down to {self.high:.3g} req/s ({self.stopped}); {self.shown.format()}")
         high = f"{self.high:.3g}" if math.isfinite(self.high) else "?"
         toks = self.output_tokens_per_s
-        return (f"capacity {self.low:.3g} req/s (bracket {self.low:.3g}-{high}, {len(self.probes)} probes)"
-                + (f", {toks:.0f} output tok/s" if toks is not None else ""))
+        return (f"searched {self.low:.3g} req/s ({self.low:.3g}-{high}, {len(self.probes)} probes), "
+                f"{self.shown.format()}" + (f", {toks:.0f} output tok/s" if toks is not None else ""))
 
     def as_dict(self) -> dict[str, Any]:
         at = self.at_capacity
-        return {"req_per_s": self.low, "bracket": self.bracket,
+        return {"req_per_s": self.low, "bracket": self.bracket, "shown": self.shown.as_dict(),
                 "describe": self.describe(), "at_capacity": at.describe() if at is not None else None,
                 "resolved": self.resolved, "output_tokens_per_s": self.output_tokens_per_s, "stopped": self.stopped,
                 "bound": self.bound, "draw": self.draw, "start": self.start, "step": self.step,
@@ -119,10 +186,11 @@ class Capacity:
 
 
 def probe_record(m: Measurement) -> dict[str, Any]:
-    """A probe as the study keeps it: its rate, verdict, counts and line (the verdict pools the default's)."""
+    """A probe as the study keeps it: its rate, verdict, counts, blocks and line."""
     f = m.figures
     return {"rate": m.rate, "verdict": m.verdict, "requests": f.requests if f else 0,
-            "attaining": f.attaining if f else 0, "design_effect": f.design_effect if f else 1.0, "reason": m.reason,
+            "attaining": f.attaining if f else 0, "attainment": f.attainment.value if f and f.requests else None,
+            "blocks": [list(b) for b in f.blocks] if f else [], "reason": m.reason, "void": m.void,
             "output_tokens_per_s": m.output_tokens_per_s, "describe": m.describe()}
 
 
@@ -140,13 +208,11 @@ def next_rate(low: float, high: float, start: float, step: float) -> float:
 def search_capacity(probe: Callable[[float], Measurement], knobs: dict[str, Any], start: float,
                     resolution: float = 0.15, max_probes: int = 6, step: float = 2.0,
                     on_probe: Callable[[Measurement], None] | None = None,
-                    can_show_met: Callable[[float], bool] | None = None,
-                    time_up: Callable[[], str | None] | None = None) -> Capacity:
-    """Bracket and bisect the capacity of ``knobs``; ``probe(rate)`` measures it at a rate. ``can_show_met(rate)``
-    (MeasurementSpec.can_show_met): whether a measurement at that rate holds enough requests to show the share met;
-    with no rate served yet, the search does not go down to a rate that cannot. ``time_up()``: why no further probe
-    may start (None: it may); the first probe always runs."""
-    cap = Capacity(dict(knobs), resolution=resolution, start=start, step=step)
+                    time_up: Callable[[], str | None] | None = None, level: float = DEFAULT_LEVEL) -> Capacity:
+    """Bracket and bisect the capacity of ``knobs``, steered by the searched bracket; ``probe(rate)`` measures it
+    at a rate. ``time_up()``: why no further probe may start (None: it may); the first probe always runs.
+    ``level``: the shown bracket's (the probes are judged at its Bonferroni share)."""
+    cap = Capacity(dict(knobs), resolution=resolution, level=level, start=start, step=step)
     while len(cap.probes) < max_probes:
         late = time_up() if time_up is not None and cap.probes else None
         if late:
@@ -154,36 +220,21 @@ def search_capacity(probe: Callable[[float], Measurement], knobs: dict[str, Any]
             return cap
         rate = next_rate(cap.low, cap.high, start, step)
         if rate < MIN_RATE:
-            cap.stopped = f"not served at {cap.high:.3g} req/s, the lowest rate searched"
-            return cap
-        if cap.low <= 0 and cap.probes and can_show_met is not None and not can_show_met(rate):
-            cap.stopped = _not_shown_below(cap, rate)
+            cap.stopped = f"read below {TARGET_SHARE:.0%} at {cap.high:.3g} req/s, the lowest rate searched"
             return cap
         m = probe(rate)
         cap.probes.append(m)
         cap.knobs = dict(m.knobs)
         if on_probe is not None:
             on_probe(m)
-        cap.narrow(rate, m.verdict)
         if cap.rejected:
             cap.stopped = cap.rejected
             return cap
         if cap.resolved:
-            cap.stopped = f"bracket within {resolution:.0%}"
+            cap.stopped = f"searched bracket within {resolution:.0%}"
             return cap
     cap.stopped = f"{max_probes} probes used"
     return cap
-
-
-def _not_shown_below(cap: Capacity, rate: float) -> str:
-    """Why a search with nothing served stops going down: the lowest probe's verdict, and that ``rate`` is too low
-    for a measurement's cap to hold the requests that could show the share."""
-    lowest = min(cap.probes, key=lambda m: m.rate)
-    f = lowest.figures
-    seen = (f"attainment {f.attainment.format('%', 100, 3)} of {f.requests} requests" if f is not None
-            else lowest.reason or "failed")
-    return (f"{lowest.verdict} at {lowest.rate:.3g} req/s ({seen}); at {rate:.3g} req/s the cap holds too few "
-            f"requests to show {TARGET_SHARE:.0%}")
 
 
 def knob_distance(a: dict[str, Any], b: dict[str, Any], names: list[str]) -> float:
@@ -224,11 +275,14 @@ class CapacitySearcher:
     known: list[tuple[dict[str, Any], float, float]] = field(default_factory=list)
     on_probe: Callable[[Measurement], None] | None = None
     deadline: float | None = None  # a time.monotonic() after which a search starts no further probe
+    draw: int = 0  # every search's probe i runs on arrival draw ``draw + i`` (the same draws for every config)
+    level: float = DEFAULT_LEVEL  # the shown brackets' level (``spec`` judges each probe at its Bonferroni share)
 
-    def search(self, knobs: dict[str, Any], out_dir: Path, draw: int = 0, start: float | None = None,
+    def search(self, knobs: dict[str, Any], out_dir: Path, draw: int | None = None, start: float | None = None,
                step: float | None = None, max_probes: int | None = None,
                resolution: float | None = None) -> Capacity:
         first, first_step = start_from_known(knobs, self.known, self.names, self.start_rate)
+        draw = self.draw if draw is None else draw
         probes: list[int] = []
 
         def probe(rate: float) -> Measurement:
@@ -238,16 +292,13 @@ class CapacitySearcher:
             i = len(probes) - 1
             return measure(self.backend, knobs, rate, Path(out_dir) / f"probe-{i}", draw + i, self.spec)
 
-        # never start where a measurement could not show the share met (a start from a neighbour that served nothing)
-        first = max(start if start is not None else first, self.spec.lowest_rate_to_show())
-        cap = search_capacity(probe, knobs, first, resolution or self.resolution,
-                              max_probes or self.max_probes, step or first_step, self.on_probe,
-                              self.spec.can_show_met, self.time_up)
+        cap = search_capacity(probe, knobs, start if start is not None else first, resolution or self.resolution,
+                              max_probes or self.max_probes, step or first_step, self.on_probe, self.time_up,
+                              self.level)
         cap.draw = draw
         if not cap.rejected:
             self.known.append((cap.knobs, cap.low, cap.high))
         return cap
-
 
     def time_up(self) -> str | None:
         if self.deadline is None or time.monotonic() < self.deadline:
@@ -256,13 +307,17 @@ class CapacitySearcher:
 
 
 def capacity_searcher(runner: TrialBackend, policy: Policy) -> CapacitySearcher:  # a TrialRunner or SimTrialRunner
-    """The policy's rate search on ``runner`` (see tuner/measure/capacity.py), its measurements sized by the policy."""
-    return CapacitySearcher(runner, measurement_spec(policy), [k.name for k in policy.search_space],
-                            policy.capacity.resolution, policy.capacity.max_probes, policy.capacity.start_rate)
+    """The policy's rate search on ``runner`` (see tuner/measure/capacity.py): each probe judged at the level's
+    Bonferroni share over the search's probes, so that a shown bracket holds at the policy's level."""
+    spec = replace(measurement_spec(policy), level=bonferroni_level(policy.measurement.level,
+                                                                      policy.capacity.max_probes))
+    return CapacitySearcher(runner, spec, [k.name for k in policy.search_space], policy.capacity.resolution,
+                            policy.capacity.max_probes, policy.capacity.start_rate, level=policy.measurement.level)
 
 
 def measurement_spec(policy: Policy) -> MeasurementSpec:
+    """A measurement sized by the policy, at the policy's level."""
     m = policy.measurement
     return MeasurementSpec(level=m.level, min_gaps=m.min_gaps,
                            max_segments=max(1, math.ceil(m.cap / policy.trial_duration - 1e-9)),
-                           window_s=policy.trial_duration)
+                           window_s=policy.trial_duration, block_s=m.block)

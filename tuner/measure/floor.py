@@ -26,7 +26,8 @@ import numpy as np
 from loadtest.records import RequestRecord
 from loadtest.summary import SLO
 from tuner.trials.arrangement import Arrangement
-from tuner.measure.measurement import FAILURES, MeasurementSpec, figures, segment_seed, window_records
+from tuner.measure.measurement import CONFIG_FAILURES, MACHINERY_FAILURES, MeasurementSpec, figures, segment_seed, \
+    window_records
 from tuner.measure.statistics import Interval, upper_verdict
 from tuner.trials.trial_backend import TrialBackend
 from tuner.trials.trial_runner import TrialOutcome
@@ -83,24 +84,25 @@ def _decode_step_p99(outcomes: list[TrialOutcome], low: int, high: int) -> float
 
 
 def _pooled_trial(backend: TrialBackend, knobs: dict[str, Any], out_dir: Path, rate: float,
-                  spec: MeasurementSpec) -> tuple[list[TrialOutcome], list[RequestRecord]]:
+                  spec: MeasurementSpec, draw: int) -> tuple[list[TrialOutcome], list[list[RequestRecord]]]:
     """Windows of ``knobs`` at ``rate`` until their pooled gaps can bound a p99 (``spec.min_gaps``), or the cap."""
     outcomes: list[TrialOutcome] = []
-    records: list[RequestRecord] = []
-    for i in range(spec.segments_at(rate)):
-        o = backend.run(dict(knobs), Path(out_dir) / f"window-{i}", rate=rate, seed=segment_seed(0, i))
+    windows: list[list[RequestRecord]] = []
+    for i in range(spec.max_segments):
+        o = backend.run(dict(knobs), Path(out_dir) / f"window-{i}", rate=rate, seed=segment_seed(draw, i))
         outcomes.append(o)
-        if o.reason and o.reason.startswith(FAILURES):
+        if o.reason and o.reason.startswith(CONFIG_FAILURES + MACHINERY_FAILURES):
             break
-        records += window_records(o)
-        if sum(max(0, len(r.token_times) - 1) for r in records) >= spec.min_gaps:
+        windows.append(window_records(o))
+        if sum(max(0, len(r.token_times) - 1) for w in windows for r in w) >= spec.min_gaps:
             break
-    return outcomes, records
+    return outcomes, windows
 
 
 def measure_floor(backend: TrialBackend, out_dir: Path, rate: float = 1.0, spec: MeasurementSpec | None = None,
                   arrangements: list[Arrangement] | None = None,
-                  arrange: Callable[[Arrangement], None] | None = None) -> tuple[Floor, list[TrialOutcome]]:
+                  arrange: Callable[[Arrangement], None] | None = None, draw: int = 0
+                  ) -> tuple[Floor, list[TrialOutcome]]:
     """The floor from batch-1 windows at ``rate`` under each of ``arrangements`` (applied by ``arrange``; the one
     whose client-side p99 TBT is lowest beyond the noise is kept and left applied), then small-batch windows at
     twice the rate."""
@@ -111,13 +113,14 @@ def measure_floor(backend: TrialBackend, out_dir: Path, rate: float = 1.0, spec:
         if a is not None and arrange is not None:
             arrange(a)
         folder = Path(out_dir) / ("batch-1" if a is None else f"batch-1-{a.name}")
-        tried.append((a, *_pooled_trial(backend, BATCH_1, folder, rate, spec)))
-    by_arrangement = {a.name: figures(r, backend.slo, spec).tbt_p99.as_dict() for a, _, r in tried if a is not None}
-    chosen, one, records = least_disturbing(tried, backend.slo, spec)
+        tried.append((a, *_pooled_trial(backend, BATCH_1, folder, rate, spec, draw)))
+    by_arrangement = {a.name: figures(r, backend.slo, spec, rate).tbt_p99.as_dict() for a, _, r in tried
+                      if a is not None}
+    chosen, one, records = least_disturbing(tried, backend.slo, spec, rate)
     if chosen is not None and arrange is not None:
         arrange(chosen)
-    small, _ = _pooled_trial(backend, SMALL_BATCH, Path(out_dir) / "batch-4", 2 * rate, spec)
-    f = figures(records, backend.slo, spec)
+    small, _ = _pooled_trial(backend, SMALL_BATCH, Path(out_dir) / "batch-4", 2 * rate, spec, draw)
+    f = figures(records, backend.slo, spec, rate)
     summaries = [o.summary for o in one if o.summary]
     lags = [s["send_lag_p99"] for s in summaries if s.get("send_lag_p99") is not None]
     itl = [s["engine_itl_p99"] for s in summaries if s.get("engine_itl_p99") is not None]
@@ -129,12 +132,12 @@ def measure_floor(backend: TrialBackend, out_dir: Path, rate: float = 1.0, spec:
     return floor, [o for _, outs, _ in tried for o in outs] + small
 
 
-Tried = tuple[Arrangement | None, list[TrialOutcome], list[RequestRecord]]
+Tried = tuple[Arrangement | None, list[TrialOutcome], list[list[RequestRecord]]]
 
 
-def least_disturbing(tried: list[Tried], slo: Any, spec: MeasurementSpec) -> Tried:
+def least_disturbing(tried: list[Tried], slo: Any, spec: MeasurementSpec, rate: float) -> Tried:
     """The first arrangement (the default) unless another's batch-1 p99 TBT is lower beyond the noise (its interval
     entirely below the first one's); among several such, the lowest."""
-    p99 = [figures(r, slo, spec).tbt_p99 for _, _, r in tried]
+    p99 = [figures(r, slo, spec, rate).tbt_p99 for _, _, r in tried]
     better = [i for i in range(1, len(tried)) if p99[i].high < p99[0].low]
     return tried[min(better, key=lambda i: p99[i].value)] if better else tried[0]

@@ -4,97 +4,90 @@ A measurement is a sequence of segments (each one trial of the backend: warm-up 
 ``policy.trial_duration``, its own arrival draw, the prefix cache emptied first). After each segment the pooled
 records of all its windows give:
 
-- attainment (the share of requests that attain the SLO) with its Clopper-Pearson interval, against the target
-  share (90 %): the figure that decides whether the config serves this rate;
-- p99 TBT of the pooled gaps and p99 TTFT of the requests (a request without a first token counts as an infinite
-  TTFT), each with its order-statistic interval, against their targets.
+- attainment (the share of requests that attain the SLO) with the confidence sequence of its *blocks*
+  (tuner/measure/dependence.py): each window's requests in send order, cut into blocks of the requests that arrive in
+  ``spec.block_s`` seconds (at least three): requests that queue behind one burst or share one slow step attain or
+  miss together, so a block, not a request, is the unit of evidence; against the target share (90 %) it decides
+  whether the config serves this rate. A confidence sequence holds at every look, so looking after each window costs
+  nothing;
+- the share of requests whose own p99 gap is within the TBT target (the SLO's per-request definition of TBT), on the
+  same blocks;
+- the p99 of the pooled gaps (a diagnostic: one step's gap repeats once per running sequence, so its interval counts
+  the gaps ending in one stretch of ``GAP_CLUSTER_S`` as one cluster) and the p99 TTFT of the requests (its interval
+  on the attainment's blocks), each against its target.
 
-The measurement stops as soon as it is decided (:func:`should_stop`): attainment "missed" (no more data can make
-the config serve this rate), or attainment "met" with the p99 TBT interval on one side of the target (after at
-least ``min_gaps`` gaps). It also stops, "undecided", once the cap can no longer show the share met
-(:func:`cannot_reach_by_cap`: "met" needs nearly all of the requests the cap holds to attain, and at an optimistic
-reading of the attainment so far the rest are unlikely to): an attainment at the edge, 93 % against 90 %, needs
-hundreds of requests, and more windows only spend the run's time. At the cap (``max_segments``) whatever is still
-undecided is reported as "undecided", never as met or missed. A segment that fails (rejected config, crashed engine, failed
-load test) ends the measurement as "missed" with its reason, as a failed trial always was.
+The measurement stops as soon as the attainment is decided (met or missed), or once neither is within reach by the
+cap (:func:`cannot_decide_by_cap`). At the cap whatever is still open is "undecided": it bounds nothing.
 
-Every window starts from an idle engine. Near a config's TTFT knee the queue builds for longer than one window,
-so windows in turn read a rate as served that a minute of it is not (a window's first requests find no queue). A
-*sustained* measurement (``sustained_s``, the verdict's) runs the cap's requests as one contiguous window instead,
-the length of the independent check of a claimed capacity: a rate it shows served is one the engine sustains that
-long, not one it starts well at.
+A segment that fails for the config (rejected by the engine, the engine crashed under it) ends the measurement as
+"missed" with its reason. A failure of the measuring machinery (the load generator failed, the engine was not idle,
+the machine was busy with other processes) is no evidence about the config: the segment is run again once, and a
+second failure leaves the measurement *void* with its reason ("undecided", never missed).
+
+Every window starts from an idle engine. Near a config's TTFT knee the queue builds for longer than one window, so
+windows in turn read a rate as served that a minute of it is not. A *sustained* measurement (``sustained_s``, the
+verdict's) runs as one contiguous window instead: a rate it shows served is one the engine sustains that long.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-from scipy import stats
 
 from loadtest.records import RequestRecord, read_records
-from loadtest.summary import SLO, attains, token_gaps
-from tuner.measure.statistics import (
-    DEFAULT_LEVEL,
-    Interval,
-    Verdict,
-    design_effect,
-    effective_proportion_interval,
-    lower_verdict,
-    proportion_interval,
-    quantile_interval,
-    upper_verdict,
-)
+from loadtest.summary import SLO, attains, request_tbt_p99, token_gaps
+from tuner.measure.dependence import Block, attainment_interval, block_counts, clustered_quantile_interval
+from tuner.measure.statistics import DEFAULT_LEVEL, Interval, Verdict, lower_verdict, upper_verdict
 from tuner.trials.trial_backend import TrialBackend
 from tuner.trials.trial_runner import TrialOutcome
 
-# reasons of a trial that measured nothing usable (tuner.trials.trial_runner): the config fails at this rate
-FAILURES = ("rejected", "engine crashed", "load test failed", "could not", "the engine did not become idle")
-TARGET_SHARE = 0.9  # DESIGN.md: capacity = the highest rate at which >= 90 % of the requests attain the SLO
+# reasons of a trial that fails for the config (tuner.trials.trial_runner): the config does not serve this rate
+CONFIG_FAILURES = ("rejected", "engine crashed")
+# reasons of a trial whose measuring machinery failed: no evidence about the config
+MACHINERY_FAILURES = ("load test failed", "could not", "the engine did not become idle", "the machine was busy")
+MACHINERY_RETRIES = 1  # a segment whose machinery failed is run again this many times before the measurement is void
+TARGET_SHARE = 0.9  # capacity = the highest rate at which >= 90 % of the requests attain the SLO
+MIN_BLOCK = 3  # requests: a block holds at least this many, however low the rate
+GAP_CLUSTER_S = 1.0  # the pooled gaps ending within this many seconds count as one cluster (one step's gaps and its
+# neighbours')
 
 
 @dataclass(frozen=True)
 class MeasurementSpec:
-    """How a measurement is sized (policy ``measurement``)."""
+    """How a measurement is sized and judged (policy ``measurement``)."""
 
     level: float = DEFAULT_LEVEL  # two-sided confidence level of every interval
     target_share: float = TARGET_SHARE
-    min_gaps: int = 400  # fewer pooled gaps than this never decide a p99 TBT (368 are needed to bound a p99 at 95 %)
-    max_segments: int = 3  # the cap: this many windows at most ...
-    window_s: float = 0.0  # ... unless a low rate needs more windows (of this length) to hold enough requests
+    min_gaps: int = 400  # fewer pooled gaps than this never decide a p99 TBT
+    max_segments: int = 3  # the cap: this many windows at most
+    window_s: float = 0.0  # a window's length (0: the backend's own)
     sustained_s: float = 0.0  # > 0: one contiguous window at least this long instead of windows in turn
+    block_s: float = 3.0  # the requests arriving in this many seconds form one block (longer than a queue episode)
+
+    def block_at(self, rate: float) -> int:
+        """Requests per block at ``rate``: those of ``block_s`` seconds, at least MIN_BLOCK."""
+        return max(MIN_BLOCK, math.ceil(rate * self.block_s - 1e-9)) if rate > 0 else MIN_BLOCK
 
     def sustained_window_at(self, rate: float) -> float:
-        """A sustained measurement's one window at ``rate``: ``sustained_s``, or the windows the cap holds at this
-        rate laid end to end when they are longer (at an infinite rate: the shortest, ``max_segments`` windows)."""
-        return max(self.sustained_s, self.segments_at(rate) * self.window_s)
+        """A sustained measurement's one window: ``sustained_s``, or as long as the cap's windows laid end to end."""
+        return max(self.sustained_s, self.max_segments * self.window_s)
 
-    def segments_at(self, rate: float) -> int:
-        """The cap at ``rate``: ``max_segments`` windows, or as many as 1.5x the fewest requests that can show the
-        target share take at this rate (36 all-attaining requests for 90 % at 95 %), at most 3x ``max_segments``."""
-        if self.window_s <= 0 or rate <= 0:
-            return self.max_segments
-        needed = 1.5 * fewest_requests_to_show(self.target_share, self.level) / rate
-        return max(self.max_segments, min(3 * self.max_segments, math.ceil(needed / self.window_s)))
-
-    def lowest_rate_to_show(self) -> float:
-        """The lowest rate whose cap (3x ``max_segments`` windows down there) holds enough requests to show the
-        target share even if all of them attain: below it a measurement can only be undecided or missed."""
-        if self.window_s <= 0:
-            return 0.0
-        return fewest_requests_to_show(self.target_share, self.level) / (self.window_s * 3 * self.max_segments)
-
-    def can_show_met(self, rate: float) -> bool:
-        return rate >= self.lowest_rate_to_show() * (1 - 1e-9)
+    def blocks_to_show(self) -> int:
+        """The fewest blocks that can show the target share met at this level (every request of each attaining)."""
+        return _blocks_to_show(self.level, self.target_share)
 
 
-def fewest_requests_to_show(share: float, level: float = DEFAULT_LEVEL) -> int:
-    """The fewest requests whose attainment, all of them attaining, has a lower bound >= ``share``."""
-    return math.ceil(math.log((1 - level) / 2) / math.log(share))
+def _blocks_to_show(level: float, share: float) -> int:
+    k = 1
+    while attainment_interval([(1, 1)] * k, level, share).low < share:
+        k += 1 if k < 16 else max(1, k // 16)
+    while k > 1 and attainment_interval([(1, 1)] * (k - 1), level, share).low >= share:
+        k -= 1
+    return k
 
 
 @dataclass(frozen=True)
@@ -105,32 +98,57 @@ class Figures:
     attaining: int
     gaps: int
     attainment: Interval
-    tbt_p99: Interval
+    tbt_attainment: Interval  # the share of requests whose own p99 gap is within the TBT target
+    tbt_p99: Interval  # of the pooled gaps (a diagnostic, clustered in time)
     ttft_p99: Interval
     verdicts: dict[str, Verdict]  # "attainment", "tbt_p99", and "ttft_p99" when the SLO has a TTFT target
-    design_effect: float = 1.0  # of the attainment: its interval is on the counts over this (statistics.py)
+    blocks: tuple[Block, ...] = ()  # (attaining, requests) of each block, windows in turn
+    block: int = MIN_BLOCK  # requests per block
 
     def as_dict(self) -> dict[str, Any]:
-        return {"requests": self.requests, "attaining": self.attaining, "gaps": self.gaps,
-                "design_effect": self.design_effect,
-                "attainment": self.attainment.as_dict(), "tbt_p99": self.tbt_p99.as_dict(),
+        return {"requests": self.requests, "attaining": self.attaining, "gaps": self.gaps, "block": self.block,
+                "blocks": [list(b) for b in self.blocks], "attainment": self.attainment.as_dict(),
+                "tbt_attainment": self.tbt_attainment.as_dict(), "tbt_p99": self.tbt_p99.as_dict(),
                 "ttft_p99": self.ttft_p99.as_dict(), "verdicts": dict(self.verdicts)}
 
 
-def figures(records: list[RequestRecord], slo: SLO, spec: MeasurementSpec = MeasurementSpec()) -> Figures:
-    """The intervals and verdicts of a set of window records, in the order they were pooled (windows in turn, each in
-    send order: the order the design effect's batches follow; simulated windows' clocks overlap, so their send
-    times do not give it)."""
+def figures(windows: list[list[RequestRecord]], slo: SLO, spec: MeasurementSpec = MeasurementSpec(),
+            rate: float = 0.0) -> Figures:
+    """The intervals and verdicts of the records of one or more windows at ``rate`` (each window's requests in send
+    order, cut into blocks of ``spec.block_at(rate)``; no block spans two windows)."""
+    block = spec.block_at(rate)
+    ordered = [sorted(w, key=lambda r: r.scheduled_at) for w in windows]
+    records = [r for w in ordered for r in w]
+    blocks: list[Block] = []
+    tbt_blocks: list[Block] = []
+    request_cluster: list[int] = []
+    gap_list: list[np.ndarray] = []
+    gap_cluster: list[np.ndarray] = []
+    for w in ordered:
+        tbt_ok = [r.status == "ok" and (slo.tbt_p99 is None or request_tbt_p99(r) <= slo.tbt_p99) for r in w]
+        outcomes = [ok and attains(r, replace(slo, tbt_p99=None)) for r, ok in zip(w, tbt_ok)]
+        first = len(blocks)
+        blocks += block_counts(outcomes, block)
+        tbt_blocks += block_counts(tbt_ok, block)
+        request_cluster += [first + i for i, (_, n) in enumerate(blocks[first:]) for _ in range(n)]
+        origin = min((r.intended_send_time for r in w), default=0.0)
+        base = int(max(c.max() for c in gap_cluster)) + 1 if gap_cluster else 0
+        for r in w:
+            g = token_gaps(r)
+            if g.size:  # each gap clustered by when it ended (its second token's arrival, epoch seconds)
+                gap_list.append(g)
+                ends = np.asarray(r.token_times[1:], dtype=float) - origin
+                gap_cluster.append(base + np.floor(ends / GAP_CLUSTER_S).astype(int))
     n = len(records)
-    outcomes = [attains(r, slo) for r in records]
-    attaining = sum(outcomes)
-    gaps = np.concatenate([token_gaps(r) for r in records]) if records else np.zeros(0)
+    attaining = sum(a for a, _ in blocks)
+    gaps = np.concatenate(gap_list) if gap_list else np.zeros(0)
+    clusters = np.concatenate(gap_cluster) if gap_cluster else np.zeros(0, dtype=int)
     ttfts = np.array([r.ttft if math.isfinite(r.ttft) else math.inf for r in records], dtype=float)
-    deff = design_effect(outcomes)
-    att = effective_proportion_interval(attaining, n, deff, spec.level)
-    tbt = quantile_interval(gaps, 0.99, spec.level)
+    att = attainment_interval(blocks, spec.level, spec.target_share)
+    tbt_att = attainment_interval(tbt_blocks, spec.level, spec.target_share)
+    tbt = clustered_quantile_interval(gaps, clusters, 0.99, spec.level)
     with np.errstate(invalid="ignore"):  # a p99 between two infinite TTFTs is infinite, not NaN
-        ttft = quantile_interval(ttfts, 0.99, spec.level)
+        ttft = clustered_quantile_interval(ttfts, np.array(request_cluster, dtype=int), 0.99, spec.level)
     if n and math.isnan(ttft.value):
         ttft = replace(ttft, value=math.inf)
     verdicts: dict[str, Verdict] = {"attainment": lower_verdict(att, spec.target_share)}
@@ -138,83 +156,39 @@ def figures(records: list[RequestRecord], slo: SLO, spec: MeasurementSpec = Meas
         verdicts["tbt_p99"] = upper_verdict(tbt, slo.tbt_p99) if gaps.size >= spec.min_gaps else "undecided"
     if slo.ttft_p99 is not None:
         verdicts["ttft_p99"] = upper_verdict(ttft, slo.ttft_p99)
-    return Figures(n, attaining, int(gaps.size), att, tbt, ttft, verdicts, deff)
+    return Figures(n, attaining, int(gaps.size), att, tbt_att, tbt, ttft, verdicts, tuple(blocks), block)
 
 
 def should_stop(f: Figures) -> bool:
-    """Decided: attainment missed, or attainment met with the p99 TBT on one side of its target. The p99 TTFT is
-    reported with its interval but does not hold a measurement open: bounding a p99 of requests from above takes
-    368 of them (minutes at a few req/s), and each request's own TTFT already counts in its attainment."""
-    if f.verdicts["attainment"] == "missed":
-        return True
-    return f.verdicts["attainment"] == "met" and f.verdicts.get("tbt_p99", "met") != "undecided"
+    """Decided: the attainment is met or missed. The SLO is judged per request, each request's own TTFT and p99 gap,
+    so the attainment says all there is; the pooled p99s are reported beside it."""
+    return f.verdicts["attainment"] != "undecided"
 
 
-# The futility rule's optimistic reading of an attainment: the upper end of a one-sided 80 % interval of the share
-# so far; and the chance of still reaching "met" by the cap below which the measurement gives up.
+# The futility rule's reading of the blocks still to come: the near end of this two-sided interval of the blocks so
+# far (a moderately optimistic reading for each side).
 OPTIMISTIC_LEVEL = 0.6
-FUTILITY_CHANCE = 0.05
 
 
-@functools.lru_cache(maxsize=4096)
-def fewest_attaining_to_show(requests: int, spec: MeasurementSpec) -> int | None:
-    """The fewest attaining requests out of ``requests`` whose interval's lower end reaches the target share
-    (None: not even all of them do)."""
-    def shows(k: int) -> bool:
-        return proportion_interval(k, requests, spec.level).low >= spec.target_share
-
-    if requests <= 0 or not shows(requests):
-        return None
-    lo, hi = 0, requests  # shows(hi) holds; the lower bound grows with k
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if shows(mid) else (mid, hi)
-    return hi
-
-
-@functools.lru_cache(maxsize=4096)
-def most_attaining_to_miss(requests: int, spec: MeasurementSpec) -> int | None:
-    """The most attaining requests out of ``requests`` whose interval's upper end stays below the target share
-    (None: not even none of them do)."""
-    def misses(k: int) -> bool:
-        return proportion_interval(k, requests, spec.level).high < spec.target_share
-
-    if requests <= 0 or not misses(0):
-        return None
-    lo, hi = 0, requests + 1  # misses(lo) holds; the upper bound grows with k
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if misses(mid) else (lo, mid)
-    return lo
-
-
-def out_of_reach(wanted: Verdict, attaining: int, requests: int, total: int, spec: MeasurementSpec,
-                 chance: float = FUTILITY_CHANCE) -> bool:
-    """Futility: with ``requests`` of ``total`` seen, ``wanted`` ("met" or "missed") is out of reach or nearly so.
-    "Met" needs all but a few of the total to attain (one failure in ~55), "missed" all but a few to fail; the
-    chance that the rest go that way at an optimistic reading of the share so far (the near end of a
-    :data:`OPTIMISTIC_LEVEL` interval) is below ``chance``."""
-    left = total - requests
-    if requests <= 0 or left <= 0:
+def reachable(wanted: Verdict, blocks: tuple[Block, ...], more: int, spec: MeasurementSpec) -> bool:
+    """Whether ``more`` further blocks, each attaining at a moderately optimistic reading of the blocks so far (the
+    near end of their :data:`OPTIMISTIC_LEVEL` interval), would bring the attainment to ``wanted``."""
+    if not blocks or more <= 0:
         return False
-    reading = proportion_interval(attaining, requests, OPTIMISTIC_LEVEL)
-    if wanted == "met":
-        need = fewest_attaining_to_show(total, spec)
-        failures_left = -1 if need is None else (total - need) - (requests - attaining)
-        return failures_left < 0 or float(stats.binom.cdf(failures_left, left, 1.0 - reading.high)) < chance
-    most = most_attaining_to_miss(total, spec)
-    attaining_left = -1 if most is None else most - attaining
-    return attaining_left < 0 or float(stats.binom.cdf(attaining_left, left, reading.low)) < chance
+    reading = attainment_interval(blocks, OPTIMISTIC_LEVEL)
+    share = reading.high if wanted == "met" else reading.low
+    size = max(1, round(sum(n for _, n in blocks) / len(blocks)))
+    future = list(blocks) + [(round(share * size), size)] * more
+    return lower_verdict(attainment_interval(future, spec.level, spec.target_share), spec.target_share) == wanted
 
 
-def cannot_reach_by_cap(f: Figures, segments_done: int, cap_segments: int, spec: MeasurementSpec,
-                        aim: Verdict = "met") -> bool:
-    """Futility within a measurement: the attainment is undecided and ``aim`` is out of reach by the cap (its
-    requests projected from those so far; :func:`out_of_reach`)."""
-    if f.verdicts["attainment"] != "undecided" or segments_done >= cap_segments or f.requests == 0:
+def cannot_decide_by_cap(f: Figures, segments_done: int, cap_segments: int, spec: MeasurementSpec) -> bool:
+    """Futility within a measurement: the attainment is undecided and neither "met" nor "missed" is within reach by
+    the cap (its blocks projected from those so far; :func:`reachable`)."""
+    if f.verdicts["attainment"] != "undecided" or segments_done >= cap_segments or not f.blocks:
         return False
-    at_cap = math.ceil(f.requests * cap_segments / segments_done)
-    return out_of_reach(aim, f.attaining, f.requests, at_cap, spec)
+    more = math.ceil(len(f.blocks) * cap_segments / segments_done) - len(f.blocks)
+    return not reachable("met", f.blocks, more, spec) and not reachable("missed", f.blocks, more, spec)
 
 
 @dataclass
@@ -223,17 +197,20 @@ class Measurement:
 
     knobs: dict[str, Any]
     rate: float
-    figures: Figures | None  # None when the first segment failed
+    figures: Figures | None  # None when no segment measured anything
     segments: list[TrialOutcome] = field(default_factory=list)
-    reason: str | None = None  # why a segment failed (then the measurement is "missed")
+    reason: str | None = None  # why the config failed here (then the measurement is "missed")
+    void: str | None = None  # why the measuring machinery failed (then it is "undecided": no evidence)
     window_s: float = 0.0  # total measured window time
     stopped: str = ""  # why it stopped before the cap while undecided (the futility rule)
 
     @property
     def verdict(self) -> Verdict:
         """Whether the config serves this rate: its attainment's verdict against the target share."""
-        if self.reason is not None or self.figures is None:
+        if self.reason is not None:
             return "missed"
+        if self.void is not None or self.figures is None:
+            return "undecided"
         return self.figures.verdicts["attainment"]
 
     @property
@@ -249,29 +226,38 @@ class Measurement:
         values = [s.summary.get("engine_itl_p99") for s in self.segments if s.summary]
         return max((v for v in values if v is not None), default=None)
 
+    @property
+    def other_cpu(self) -> float | None:
+        """The most CPU (cores) other processes on this machine took during one of its windows (None: not known)."""
+        values = [s.summary.get("host", {}).get("other_cores") for s in self.segments if s.summary]
+        return max((v for v in values if v is not None), default=None)
+
     def describe(self) -> str:
-        """``attainment 94% (88-98%) met, p99 TBT 41ms (38-45), p99 TTFT 0.6s (0.5-0.9), 112 req / 9k gaps``."""
+        """``attainment 94% (88-98%) met, ... [112 req in 14 blocks of 8, 9k gaps, 45s]``."""
         if self.figures is None:
-            return f"failed: {self.reason}"
+            return f"void: {self.void}" if self.void else f"failed: {self.reason}"
         f = self.figures
         v = f.verdicts
-        text = (f"attainment {f.attainment.format('%', 100, 3)} {v['attainment']}, "
-                f"p99 TBT {f.tbt_p99.format('ms', 1000, 3)}"
-                + (f" {v['tbt_p99']}" if "tbt_p99" in v else "")
+        text = (f"attainment {f.attainment.format('%', 100, 3)} {v['attainment']}"
+                + (f", within TBT {f.tbt_attainment.format('%', 100, 3)}" if "tbt_p99" in v else "")
+                + f", p99 TBT {f.tbt_p99.format('ms', 1000, 3)}" + (f" {v['tbt_p99']}" if "tbt_p99" in v else "")
                 + f", p99 TTFT {f.ttft_p99.format('s', 1, 2)}" + (f" {v['ttft_p99']}" if "ttft_p99" in v else "")
-                + f" [{f.requests} req" + (f" (design effect {f.design_effect:.1f})" if f.design_effect > 1.05 else "")
-                + f", {f.gaps} gaps, {self.window_s:.0f}s")
+                + f" [{f.requests} req in {len(f.blocks)} blocks of {f.block}, {f.gaps} gaps, {self.window_s:.0f}s")
         itl = self.engine_itl_p99
         if itl is not None:
             text += f"; engine-side p99 ITL <= {itl * 1000:.0f}ms"
+        other = self.other_cpu
+        if other is not None and other >= 0.05:
+            text += f"; other processes took {other:.2f} cores"
         text += "]"
-        return text + (f"; {self.reason}" if self.reason else "") + (f"; {self.stopped}" if self.stopped else "")
+        return (text + (f"; {self.reason}" if self.reason else "") + (f"; void: {self.void}" if self.void else "")
+                + (f"; {self.stopped}" if self.stopped else ""))
 
     def as_dict(self) -> dict[str, Any]:
         return {"knobs": self.knobs, "rate": self.rate, "verdict": self.verdict, "reason": self.reason,
-                "stopped": self.stopped, "window_s": self.window_s, "segments": len(self.segments),
+                "void": self.void, "stopped": self.stopped, "window_s": self.window_s, "segments": len(self.segments),
                 "output_tokens_per_s": self.output_tokens_per_s, "engine_itl_p99": self.engine_itl_p99,
-                "figures": self.figures.as_dict() if self.figures else None,
+                "other_cpu_cores": self.other_cpu, "figures": self.figures.as_dict() if self.figures else None,
                 "dirs": [str(s.out_dir) for s in self.segments if s.out_dir]}
 
 
@@ -293,35 +279,61 @@ def segment_seed(draw: int, segment: int) -> int:
     return draw * 1000 + segment
 
 
+@dataclass(frozen=True)
+class Draws:
+    """The arrival draws of one run, all from its seed, none shared with a run of another seed: the floor's, the
+    searches' (probe i of every config's search on ``search + i``) and the verdict's (round r on ``verdict + r``)."""
+
+    seed: int = 0
+
+    @property
+    def floor(self) -> int:
+        return 100 * self.seed
+
+    @property
+    def search(self) -> int:
+        return 100 * self.seed + 10
+
+    @property
+    def verdict(self) -> int:
+        return 100 * self.seed + 60
+
+
+def machinery_failure(outcome: TrialOutcome) -> bool:
+    return bool(outcome.reason) and str(outcome.reason).startswith(MACHINERY_FAILURES)
+
+
 def measure(backend: TrialBackend, knobs: dict[str, Any], rate: float, out_dir: Path, draw: int = 0,
             spec: MeasurementSpec = MeasurementSpec(),
-            on_segment: Callable[[Measurement], None] | None = None, aim: Verdict = "met") -> Measurement:
+            on_segment: Callable[[Measurement], None] | None = None) -> Measurement:
     """Measure ``knobs`` at ``rate`` segment by segment until :func:`should_stop`, the futility rule or the cap
-    (sustained, ``spec.sustained_s`` > 0: in one contiguous window, judged at its end). ``aim``: the verdict whose
-    futility ends the measurement early ("met" in a search; "missed" where only a miss would tell, as for the
-    default config at the rate a candidate needs it to miss)."""
+    (sustained, ``spec.sustained_s`` > 0: in one contiguous window, judged at its end)."""
     m = Measurement(knobs=dict(knobs), rate=rate, figures=None)
-    pooled: list[RequestRecord] = []
-    cap = 1 if spec.sustained_s > 0 else spec.segments_at(rate)
-    # a sustained measurement's one window is as long as the cap's windows (or longer), not one window's length
+    windows: list[list[RequestRecord]] = []
+    cap = 1 if spec.sustained_s > 0 else spec.max_segments
     length = {"duration": spec.sustained_window_at(rate)} if spec.sustained_s > 0 else {}
     for i in range(cap):
-        o = backend.run(knobs, Path(out_dir) / f"segment-{i}", rate=rate, seed=segment_seed(draw, i), **length)
-        m.segments.append(o)
+        for attempt in range(1 + MACHINERY_RETRIES):  # the machinery's failure is no evidence: run it again
+            folder = Path(out_dir) / (f"segment-{i}" + (f"-retry-{attempt}" if attempt else ""))
+            o = backend.run(knobs, folder, rate=rate, seed=segment_seed(draw, i), **length)
+            m.segments.append(o)
+            if not machinery_failure(o):
+                break
         m.knobs = dict(o.knobs)
-        if o.reason and o.reason.startswith(FAILURES):  # rejected, crashed, failed: the config fails here
+        if machinery_failure(o):
+            m.void = str(o.reason)
+            return m
+        if o.reason and o.reason.startswith(CONFIG_FAILURES):  # rejected, crashed: the config fails here
             m.reason = o.reason
             return m
-        pooled += window_records(o)
+        windows.append(window_records(o))
         m.window_s += float((o.summary or {}).get("duration_s") or 0.0)
-        m.figures = figures(pooled, backend.slo, spec)
+        m.figures = figures(windows, backend.slo, spec, rate)
         if on_segment is not None:
             on_segment(m)
         if should_stop(m.figures):
             break
-        if cannot_reach_by_cap(m.figures, i + 1, cap, spec, aim):
-            m.stopped = (f"stopped after {i + 1} of {cap} windows: the ~{math.ceil(m.figures.requests * cap / (i + 1))}"
-                         f" requests of the cap cannot show {'' if aim == 'met' else 'below '}"
-                         f"{spec.target_share:.0%} at this share")
+        if cannot_decide_by_cap(m.figures, i + 1, cap, spec):
+            m.stopped = f"stopped after {i + 1} of {cap} windows: neither met nor missed is within reach by the cap"
             break
     return m

@@ -4,12 +4,9 @@
   statistics of its samples: the number of samples below the true q-quantile is Binomial(n, q), so the ranks
   whose binomial probabilities enclose `level` bound it. With too few samples one side is unbounded (a p99 from
   150 gaps has no finite upper bound at 95 %: it cannot be shown to meet a target).
-- A share (attainment) gets the Clopper-Pearson interval of its binomial count, on effective counts (the counts over
-  the design effect) when outcomes come in clusters: requests that queue behind one burst attain or miss together,
-  so n such requests carry less evidence than n independent ones. The design effect is estimated by batch means
-  over the requests in arrival order (:func:`design_effect`).
-- A ratio of two configs gets a t interval of the mean log ratio of paired repeats (the same arrival draw for both
-  configs within a repeat), reported back on the ratio scale.
+- A share of independent outcomes gets the Clopper-Pearson interval of its binomial count. Requests are not
+  independent (those that queue behind one burst attain or miss together): a measurement's attainment is judged on
+  blocks of them (tuner/measure/dependence.py).
 
 A figure is compared with its target through its interval: "met", "missed", or "undecided" when the interval
 straddles the target. None of this imports torch, locust or optuna.
@@ -105,38 +102,10 @@ def proportion_interval(successes: int, trials: int, level: float = DEFAULT_LEVE
     return Interval(successes / trials, float(ci.low), float(ci.high), level, trials)
 
 
-BATCHES = 10  # batch means: this many batches of requests in arrival order ...
-MIN_BATCH = 5  # ... of at least this many requests each (fewer requests: no estimate, a design effect of 1)
-
-
-def design_effect(outcomes: Sequence[bool] | np.ndarray, batches: int = BATCHES, min_batch: int = MIN_BATCH) -> float:
-    """How many times the variance of a share of ``outcomes`` (in arrival order) exceeds the binomial one, from the
-    variance of the means of consecutive batches (the batch-means method for correlated series); at least 1, and 1
-    when the outcomes are too few for two batches or all equal."""
-    y = np.asarray(outcomes, dtype=float)
-    k = min(batches, y.size // min_batch)
-    p = float(y.mean()) if y.size else 0.0
-    if k < 2 or p <= 0.0 or p >= 1.0:
-        return 1.0
-    size = y.size // k
-    means = y[: k * size].reshape(k, size).mean(axis=1)
-    return max(1.0, size * float(means.var(ddof=1)) / (p * (1.0 - p)))
-
-
-def effective_proportion_interval(successes: float, trials: float, deff: float = 1.0,
-                                  level: float = DEFAULT_LEVEL) -> Interval:
-    """A share with the Clopper-Pearson interval of its effective counts (``successes`` and ``trials`` over the
-    design effect ``deff``; counts may be fractional: the beta quantiles take them); the estimate is the share,
-    ``n`` the requests."""
-    if deff <= 1.0 and float(successes).is_integer() and float(trials).is_integer():
-        return proportion_interval(int(successes), int(trials), level)
-    if trials <= 0:
-        return Interval(math.nan, 0.0, 1.0, level, 0)
-    x, n = successes / deff, trials / deff
-    alpha = 1.0 - level
-    low = float(stats.beta.ppf(alpha / 2, x, n - x + 1)) if x > 0 else 0.0
-    high = float(stats.beta.ppf(1 - alpha / 2, x + 1, n - x)) if x < n else 1.0
-    return Interval(successes / trials, low, high, level, int(round(trials)))
+def bonferroni_level(level: float, looks: int) -> float:
+    """The level of each of ``looks`` claims that must hold together at ``level``: each gets an equal share of the
+    error rate (Bonferroni), so that the first of them to go wrong does so with probability at most 1 - level."""
+    return 1.0 - (1.0 - level) / max(1, looks)
 
 
 def upper_verdict(estimate: Interval, target: float) -> Verdict:
@@ -159,37 +128,6 @@ def lower_verdict(estimate: Interval, target: float) -> Verdict:
     if estimate.high < target:
         return "missed"
     return "undecided"
-
-
-def paired_ratio_interval(treatment: Sequence[float], control: Sequence[float],
-                          level: float = DEFAULT_LEVEL) -> Interval:
-    """The ratio treatment/control from paired repeats (pair i measured on the same arrival draw): the geometric
-    mean of the per-pair ratios with a t interval on the log scale. A pair with a zero or missing figure on
-    either side is left out (a ratio to nothing is not a ratio); fewer than two pairs give unbounded sides."""
-    if len(treatment) != len(control):
-        raise ValueError(f"paired figures need the same number of repeats ({len(treatment)} vs {len(control)})")
-    logs = np.array([math.log(t / c) for t, c in zip(treatment, control)
-                     if t is not None and c is not None and t > 0 and c > 0 and math.isfinite(t / c)])
-    n = int(logs.size)
-    if n == 0:
-        return Interval(math.nan, 0.0, math.inf, level, 0)
-    mean = float(logs.mean())
-    if n == 1:
-        return Interval(math.exp(mean), 0.0, math.inf, level, 1)
-    sd = float(logs.std(ddof=1))
-    if sd == 0.0:
-        return Interval(math.exp(mean), math.exp(mean), math.exp(mean), level, n)
-    half = float(stats.t.ppf((1 + level) / 2, n - 1)) * sd / math.sqrt(n)
-    return Interval(math.exp(mean), math.exp(mean - half), math.exp(mean + half), level, n)
-
-
-def ratio_verdict(ratio: Interval) -> Literal["better", "worse", "no difference beyond the noise"]:
-    """Whether a paired ratio's interval excludes 1."""
-    if ratio.n >= 2 and ratio.low > 1.0:
-        return "better"
-    if ratio.n >= 2 and ratio.high < 1.0:
-        return "worse"
-    return "no difference beyond the noise"
 
 
 def proportion_difference_interval(successes_a: int, trials_a: int, successes_b: int, trials_b: int,

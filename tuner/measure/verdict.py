@@ -1,32 +1,32 @@
-"""The verdict: is the best candidate's capacity above the default config's, beyond the noise?
+"""The verdict: does the best candidate serve more traffic than the default config, beyond the noise?
 
-A capacity is a rate a config is *shown* to serve (>= 90 % of the requests attain the SLO, the attainment's interval
-above 90 %). So one config beats another when it is shown to serve a rate the other is shown not to serve; both
-facts are binomial counts at fixed rates, and counts at one rate pool across measurements. The verdict therefore
-measures each config at a fixed rate per round instead of searching its capacity again:
+It deals in claims, each a measurement at a fixed rate judged by the confidence sequence of its blocks
+(tuner/measure/dependence.py):
 
-- the candidate one step below the capacity its search claimed (the best of the searched configs on one draw is
-  likely to have been lucky there), the default config at the same rate on the same draw (a miss there is what
-  "better" needs);
-- round after round on fresh arrival draws, the same draw for every config of a round (common random numbers), the
-  order alternating; each config's requests at a rate pool across the rounds, so that an attainment at the edge
-  (93 % against 90 %) gets the hundreds of requests it needs instead of a coin flip per round;
-- a candidate not shown to serve its claim steps down a rate when its pool there was missed or is unlikely to reach
-  "met" with one more measurement (rounds are few, so each goes where it likely decides), and the default follows
-  it;
-- the default's search probes pool with its verdict's (nothing selected it for them); a candidate's do not (it was
-  picked for how its search draw went: the winner's curse), so its claimed capacity is only what fresh draws show.
+- "the candidate serves r": its attainment at r shown met on fresh arrival draws;
+- "the default does not serve r'": its attainment at r' shown missed.
 
-The candidate is **better** when it is shown to serve a rate at or above one where the default is shown to miss, or
-when, at a rate it is shown to serve, the default (shown to serve no rate up to there) attains fewer of the same
-arrivals beyond the noise (a paired difference of the two attainments: a default at the edge of 90 % over a range
-of rates is never shown to miss with the requests a run can afford);
-**not better** when the default is shown to serve a rate at or above one where the candidate is shown to miss, or
-the rate the candidate showed as its capacity. Each pooled verdict is looked at after every round, so each look
-gets a Bonferroni share of the error rate (:func:`look_level`). A config's capacity is its bracket (the highest rate
-shown served; the lowest not shown served), the ratio's interval the brackets' ratios (low: candidate's low /
-default's high). A pool is judged at the strictest level of its looks: a search probe never re-measured keeps its
-search's level.
+The candidate is **better** when it is shown to serve a rate at or above one where the default is shown to miss: its
+capacity is then above the default's (attainment falls as the offered rate grows). It is **not better** when the
+default is shown to serve a rate at or above one where the candidate is shown to miss. Nothing else is a route to
+either: a candidate that attains more where the default is undecided is reported as such, not as serving more.
+
+**One error budget.** A wrong "better" needs a wrong "serves" of the candidate or a wrong "does not serve" of the
+default; each side gets half of 1 - level, spread (Bonferroni) over every rate it may be judged at in the verdict
+(:func:`pool_level`). At one rate, each round's measurement continues the same confidence sequence, so looking after
+every round costs nothing. The searches' probes are not pooled in (they ran in windows from an idle engine, the
+verdict in sustained ones, and the candidates were picked for how their searches went).
+
+**Where it measures.** Each round, on a fresh arrival draw shared by every config: the candidate at its planned rate
+(one step below its searched capacity; a step lower when its pool there is shown missed or cannot be shown served by
+another round), the default at the same rate on the same arrivals (paired), and the default at its own searched
+ceiling (the lowest rate its search read below the target share), where a miss gives the ratio a multiple.
+
+**What it reports.** The headline is paired attainment at the candidate's rate: the two configs on the same arrivals,
+block by block, the confidence sequence of their difference (:meth:`VerdictResult.paired_difference`). Beside it
+each config's shown bracket, and the capacities' ratio only from shown bounds (:class:`Ratio`): its low end the
+candidate's shown-served rate over the default's shown-missed rate, its high end the candidate's shown-missed rate
+over the default's shown-served rate; an end that was not shown stays open.
 """
 
 from __future__ import annotations
@@ -36,83 +36,78 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from tuner.measure.measurement import TARGET_SHARE, MeasurementSpec, out_of_reach
-from tuner.measure.statistics import (DEFAULT_LEVEL, Interval, Verdict, effective_proportion_interval, lower_verdict,
-                                      proportion_difference_interval)
+from tuner.measure.capacity import Shown
+from tuner.measure.dependence import Block, attainment_interval, paired_difference_interval
+from tuner.measure.measurement import TARGET_SHARE, MeasurementSpec, reachable
+from tuner.measure.statistics import DEFAULT_LEVEL, Interval, Verdict, lower_verdict
 
 DEFAULT = "default"
 Outcome = Literal["better", "not better", "undecided"]
+RATES_PER_CANDIDATE = 2  # a candidate is judged at its first rate and at most one step below it
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One measurement of a config at a rate on one arrival draw: its requests and how many attained."""
+    """One measurement of a config at a rate on one arrival draw: its blocks of (attaining, requests)."""
 
     rate: float
-    draw: int  # -1: the default config's own search probes
-    attaining: int
-    requests: int
+    draw: int
+    blocks: tuple[Block, ...] = ()
     failed: str | None = None  # a rejected config, a crashed engine: the config does not serve this rate
+    void: str | None = None  # the measuring machinery failed: no evidence either way
     output_tokens_per_s: float | None = None
-    summary: str = ""  # the measurement's own line (its p99s with intervals)
-    design_effect: float = 1.0  # of its attainment (requests queueing behind one burst attain or miss together)
+    summary: str = ""  # the measurement's own line (its figures with intervals)
+
+    @property
+    def requests(self) -> int:
+        return sum(n for _, n in self.blocks)
+
+    @property
+    def attaining(self) -> int:
+        return sum(a for a, _ in self.blocks)
 
     def as_dict(self) -> dict[str, Any]:
         return {"rate": self.rate, "draw": self.draw, "attaining": self.attaining, "requests": self.requests,
-                "failed": self.failed, "output_tokens_per_s": self.output_tokens_per_s, "summary": self.summary,
-                "design_effect": self.design_effect}
+                "blocks": [list(b) for b in self.blocks], "failed": self.failed, "void": self.void,
+                "output_tokens_per_s": self.output_tokens_per_s, "summary": self.summary}
 
 
 @dataclass
 class Pool:
-    """Every sample of a config at one rate, pooled, judged at the strictest level any of its looks needs (a search
-    probe's own level; the verdict's per-look level once the verdict has measured there)."""
+    """Every sample of a config at one rate, their blocks in the order measured: one confidence sequence."""
 
     rate: float
     level: float = DEFAULT_LEVEL
     samples: list[Sample] = field(default_factory=list)
 
+    def blocks(self) -> tuple[Block, ...]:
+        return tuple(b for s in self.samples if s.void is None for b in s.blocks)
+
     @property
     def requests(self) -> int:
-        return sum(s.requests for s in self.samples)
+        return sum(n for _, n in self.blocks())
 
     @property
     def attaining(self) -> int:
-        return sum(s.attaining for s in self.samples)
+        return sum(a for a, _ in self.blocks())
 
     @property
     def failed(self) -> str | None:
         return next((s.failed for s in self.samples if s.failed), None)
 
-    def design_effect(self) -> float:
-        """The pool's design effect: its requests over their effective number (each sample's requests over its
-        own design effect); 1 for an empty pool."""
-        effective = sum(s.requests / s.design_effect for s in self.samples)
-        return self.requests / effective if effective else 1.0
-
-    def attainment(self) -> Interval:
-        """The pooled share, its interval on the pool's effective counts."""
-        return effective_proportion_interval(self.attaining, self.requests, self.design_effect(), self.level)
-
-    def effective_counts(self) -> tuple[int, int]:
-        """(attaining, requests) over the pool's design effect, rounded: what independent requests the pool's
-        evidence is worth (at least one request when it has any)."""
-        if not self.requests:
-            return 0, 0
-        deff = self.design_effect()
-        return int(round(self.attaining / deff)), max(1, int(round(self.requests / deff)))
+    def attainment(self, share: float = TARGET_SHARE) -> Interval:
+        return attainment_interval(self.blocks(), self.level, share)
 
     def verdict(self, share: float = TARGET_SHARE) -> Verdict:
         if self.failed:
             return "missed"
-        return lower_verdict(self.attainment(), share) if self.requests else "undecided"
+        return lower_verdict(self.attainment(share), share) if self.requests else "undecided"
 
-    def likely(self, wanted: Verdict, more: int, share: float = TARGET_SHARE) -> bool:
-        """Whether ``more`` further requests more likely than not bring the pooled verdict to ``wanted`` ("met" or
-        "missed"), at an optimistic reading of the share so far (the measurement's futility rule at even odds): an
-        attainment at the edge reaches neither in any budget, and the verdict's rounds are few."""
+    def within_reach(self, wanted: Verdict, more_blocks: int, share: float = TARGET_SHARE) -> bool:
+        """Whether ``more_blocks`` further blocks, at a moderately optimistic reading of those so far, would bring
+        the pool to ``wanted`` (the measurement's futility rule)."""
         spec = MeasurementSpec(level=self.level, target_share=share)
-        return not out_of_reach(wanted, self.attaining, self.requests, self.requests + more, spec, chance=0.5)
+        return reachable(wanted, self.blocks(), more_blocks, spec)
 
     def as_dict(self) -> dict[str, Any]:
         return {"rate": self.rate, "requests": self.requests, "attaining": self.attaining, "level": self.level,
@@ -122,7 +117,7 @@ class Pool:
 
 def rate_key(rate: float) -> float:
     """Pools are keyed by rate; rates computed by different paths (a bracket's end, a step down) agree to 1e-9."""
-    return round(rate, 9)
+    return round(rate, 9) if math.isfinite(rate) else rate
 
 
 @dataclass
@@ -132,13 +127,13 @@ class Contender:
     name: str  # "default" or "candidate N (trial #k)"
     knobs: dict[str, Any]
     claim: float  # the capacity its search claimed (a candidate) / its search's ceiling (the default)
-    search_high: float = math.inf  # the lowest rate its search did not show served
+    search_high: float = math.inf  # the lowest rate its search read below the target share
     pools: dict[float, Pool] = field(default_factory=dict)
     next_rate: float | None = None
     rounds: int = 0  # rounds it was measured in
 
     def __post_init__(self) -> None:
-        if self.next_rate is None:
+        if self.next_rate is None and not self.is_default:
             self.next_rate = self.claim
 
     @property
@@ -146,37 +141,18 @@ class Contender:
         return self.name == DEFAULT
 
     def pool(self, rate: float) -> Pool | None:
-        """The pool of the samples at ``rate`` (None: nothing measured there)."""
         return self.pools.get(rate_key(rate))
 
     def add(self, sample: Sample, level: float) -> Pool:
-        """Pool ``sample`` with the others at its rate, judged from now on at ``level`` at least."""
-        pool = self.pools.setdefault(rate_key(sample.rate), Pool(sample.rate, level))
+        """Pool ``sample`` with the others at its rate (every pool judged at ``level``, fixed before the verdict)."""
+        pool = self.pools.setdefault(rate_key(sample.rate), Pool(rate_key(sample.rate), level))
         pool.samples.append(sample)
-        pool.level = max(pool.level, level)
         return pool
 
-    def rates(self, verdict: Verdict) -> list[float]:
-        return sorted(p.rate for p in self.pools.values() if p.verdict() == verdict)
-
-    def shown_served(self) -> float:
-        """The highest rate shown served below every rate shown missed (0: none)."""
-        missed = min(self.rates("missed"), default=math.inf)
-        return max((r for r in self.rates("met") if r < missed), default=0.0)
-
-    def shown_missed(self) -> float:
-        """The lowest rate shown missed (inf: none)."""
-        return min(self.rates("missed"), default=math.inf)
-
-    def capacity(self) -> Interval:
-        """The bracket: the highest rate shown served, the lowest rate above it not shown served (pooled here, or
-        the search's ceiling when the verdict measured nothing higher); its level the strictest of its pools'."""
-        low = self.shown_served()
-        above = [p.rate for p in self.pools.values() if p.rate > low and p.verdict() != "met"]
-        high = min(above + [self.search_high], default=math.inf)
-        n = sum(p.requests for p in self.pools.values())
+    def shown(self) -> Shown:
+        """What the verdict's pools show: the highest rate shown served, the lowest shown missed (open ends)."""
         level = max((p.level for p in self.pools.values()), default=DEFAULT_LEVEL)
-        return Interval(low, low, max(high, low), level, n)
+        return Shown.of([(p.rate, p.verdict()) for p in self.pools.values()], level)
 
     def tokens_at(self, rate: float) -> float | None:
         """The mean output tokens/s of the samples at ``rate`` (None: none measured there)."""
@@ -185,90 +161,103 @@ class Contender:
         return sum(values) / len(values) if values else None
 
     def as_dict(self) -> dict[str, Any]:
-        cap = self.capacity()
-        return {"knobs": self.knobs, "claim_req_per_s": self.claim, "capacity_req_per_s": cap.as_dict(),
-                "output_tokens_per_s": self.tokens_at(cap.value), "rounds": self.rounds,
+        shown = self.shown()
+        return {"knobs": self.knobs, "searched_req_per_s": self.claim, "shown": shown.as_dict(),
+                "output_tokens_per_s": self.tokens_at(shown.low) if shown.low > 0 else None, "rounds": self.rounds,
                 "pools": [p.as_dict() for p in sorted(self.pools.values(), key=lambda p: p.rate)]}
 
 
-def look_level(level: float, looks: int) -> float:
-    """The level of each look: every pooled verdict is looked at after every round, so each of ``looks`` looks gets
-    a Bonferroni share of the error rate and stopping at the first decision keeps the overall level."""
-    return 1.0 - (1.0 - level) / max(1, looks)
+@dataclass(frozen=True)
+class Ratio:
+    """The ratio of two capacities from shown bounds only: None where an end was not shown."""
+
+    low: float | None
+    high: float | None
+
+    def format(self) -> str:
+        if self.low is None and self.high is None:
+            return "no multiple shown"
+        if self.high is None:
+            return f">= {self.low:.3g}x" if self.low and self.low > 1 + 1e-9 else "> 1x"
+        if self.low is None:
+            return f"<= {self.high:.3g}x"
+        return f"{self.low:.3g}-{self.high:.3g}x"
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {"low": self.low, "high": self.high}
+
+
+def pool_level(level: float, rates: int) -> float:
+    """The two-sided level of a pool's confidence sequence when one side of ``level``'s error rate (half of it) is
+    spread over ``rates`` rates: each pool's one-sided error (1 - level) / 2 / rates."""
+    return 1.0 - (1.0 - level) / max(1, rates)
+
+
+def pool_levels(level: float, candidates: int) -> tuple[float, float]:
+    """(a candidate's pools, the default's pools): each candidate is judged at :data:`RATES_PER_CANDIDATE` rates at
+    most, the default beside each of them and at its own ceiling."""
+    rates = RATES_PER_CANDIDATE * max(1, candidates)
+    return pool_level(level, rates), pool_level(level, rates + 1)
 
 
 @dataclass
 class VerdictResult:
     default: Contender
     candidates: list[Contender]
-    level: float  # the overall level
+    level: float  # the overall level of "better" / "not better"
     max_rounds: int = 4
     stopped: str = ""
 
-    @property
-    def look(self) -> float:
-        """The level every pooled verdict and bracket is judged at."""
-        return look_level(self.level, self.max_rounds)
+    def look(self, c: Contender) -> float:
+        """The level ``c``'s pools are judged at: its side's half of the error rate over the rates it may be judged
+        at (:func:`pool_levels`)."""
+        return pool_levels(self.level, len(self.candidates))[1 if c.is_default else 0]
 
     def outcome(self, c: Contender) -> Outcome:
-        served, missed = c.shown_served(), c.shown_missed()
-        d_served, d_missed = self.default.shown_served(), self.default.shown_missed()
-        if served > 0 and (served >= d_missed or self.attains_more(c, served)):
+        mine, theirs = c.shown(), self.default.shown()
+        if mine.low > 0 and rate_key(mine.low) >= rate_key(theirs.high):
             return "better"
-        # the default serves a rate the candidate misses, or serves what the candidate showed as its capacity
-        if d_served > 0 and (d_served >= missed or (c.next_rate is None and d_served >= served)):
+        if theirs.low > 0 and rate_key(theirs.low) >= rate_key(mine.high):
             return "not better"
         return "undecided"
 
     def paired_difference(self, c: Contender, rate: float) -> Interval | None:
-        """The candidate's attainment at ``rate`` minus the default's there (Newcombe, at the per-look level), when
-        both were measured at that rate (the verdict measures them there on the same draws)."""
+        """The candidate's attainment at ``rate`` minus the default's on the same arrivals: the samples of one
+        draw paired block by block (the blocks both measured), the confidence sequence of the differences at the
+        verdict's pool level. None without a draw both were measured on at that rate."""
         mine, theirs = c.pool(rate), self.default.pool(rate)
-        if mine is None or theirs is None or not mine.requests or not theirs.requests:
+        if mine is None or theirs is None:
             return None
-        return proportion_difference_interval(*mine.effective_counts(), *theirs.effective_counts(), self.look)
+        by_draw = {s.draw: s for s in theirs.samples if s.void is None and not s.failed}
+        pairs = [(s, by_draw[s.draw]) for s in mine.samples if s.void is None and not s.failed and s.draw in by_draw]
+        if not pairs:
+            return None
+        a = [b for s, t in pairs for b in s.blocks[:len(t.blocks)]]
+        d = [b for s, t in pairs for b in t.blocks[:len(s.blocks)]]
+        return paired_difference_interval(a, d, self.look(self.default))
 
-    def attains_more(self, c: Contender, rate: float) -> bool:
-        """At ``rate``, which the candidate is shown to serve: the default is not shown to serve it, nor any rate
-        up to it, and attains fewer of the same arrivals beyond the noise. A default at the edge of 90 % over a
-        range of rates (its long prefills stall a share of the requests at any load) is never shown to miss there
-        with the requests a run can afford, but it serves less than the candidate where the candidate is shown to
-        serve."""
-        d = self.default
-        theirs = d.pool(rate)
-        if theirs is None or theirs.verdict() == "met" or d.shown_served():
-            return False
-        diff = self.paired_difference(c, rate)
-        return diff is not None and diff.low > 0
-
-    def ratio(self, c: Contender) -> Interval:
-        """The capacities' ratio: value candidate's / default's capacity, interval the brackets' ends (low: the
-        candidate's capacity over the default's lowest rate not shown served). A default shown to serve nothing
-        has no finite ratio (value and high end unbounded)."""
-        cc, dc = c.capacity(), self.default.capacity()
-        value = cc.value / dc.value if dc.value > 0 else math.inf
-        low = cc.low / dc.high if math.isfinite(dc.high) and dc.high > 0 else 0.0
-        high = cc.high / dc.low if dc.low > 0 else math.inf
-        return Interval(value, min(low, value), max(high, value), self.look, cc.n + dc.n)
+    def ratio(self, c: Contender) -> Ratio:
+        """Capacity ratio candidate / default from shown bounds (:class:`Ratio`)."""
+        mine, theirs = c.shown(), self.default.shown()
+        low = mine.low / theirs.high if mine.low > 0 and math.isfinite(theirs.high) else None
+        high = mine.high / theirs.low if theirs.low > 0 and math.isfinite(mine.high) else None
+        return Ratio(low, high)
 
     @property
     def best(self) -> Contender | None:
-        """The candidate with the highest shown capacity (then the highest claim)."""
-        if not self.candidates:
-            return None
-        return max(self.candidates, key=lambda c: (c.shown_served(), c.claim))
+        """The candidate with the highest shown-served rate (then the highest searched capacity)."""
+        return max(self.candidates, key=lambda c: (c.shown().low, c.claim)) if self.candidates else None
 
     @property
     def winner(self) -> Contender | None:
         """The best of the candidates shown better than the default, if any."""
         better = [c for c in self.candidates if self.outcome(c) == "better"]
-        return max(better, key=lambda c: c.shown_served()) if better else None
+        return max(better, key=lambda c: c.shown().low) if better else None
 
     @property
     def safest(self) -> Contender:
         """No winner: the config with the highest rate shown served on the verdict's draws (the default on ties)."""
-        everyone = [self.default] + self.candidates
-        return max(everyone, key=lambda c: (c.shown_served(), c is self.default))
+        return max([self.default] + self.candidates, key=lambda c: (c.shown().low, c is self.default))
 
     def as_dict(self) -> dict[str, Any]:
         def entry(c: Contender) -> dict[str, Any]:
@@ -276,119 +265,166 @@ class VerdictResult:
             if not c.is_default:
                 d["ratio_to_default"] = self.ratio(c).as_dict()
                 d["outcome"] = self.outcome(c)
+                rate = c.next_rate if c.next_rate is not None else c.shown().low
+                diffs = {f"{p.rate:.6g}": iv.as_dict() for p in c.pools.values()
+                         if (iv := self.paired_difference(c, p.rate)) is not None}
+                d["paired_difference"] = diffs
+                d["headline_rate"] = rate
             return d
 
-        return {"level": self.level, "look_level": self.look, "max_rounds": self.max_rounds, "stopped": self.stopped,
+        return {"level": self.level, "pool_level": {"candidates": self.look(self.candidates[0]) if self.candidates
+                                                    else None, "default": self.look(self.default)},
+                "max_rounds": self.max_rounds, "stopped": self.stopped,
                 "default": entry(self.default), "candidates": [entry(c) for c in self.candidates],
                 "winner": self.winner.name if self.winner else None, "safest": self.safest.name}
 
 
-# measure(contender, rate, draw) -> the sample of one measurement (sized by its own statistics)
+# measure(contender, rate, draw) -> the sample of one measurement (sized by the verdict)
 MeasureAt = Callable[[Contender, float, int], Sample]
 
 
-def plan_next(c: Contender, step: float, floor: float, more: int) -> None:
-    """Where candidate ``c`` is measured next round, from its pool at the rate just measured; ``more``: the requests
-    another round would add there (about the last sample's). None once its capacity is shown or it reached
-    ``floor``."""
+def plan_next(c: Contender, step: float, floor: float, more_blocks: int, default_missed: float = math.inf) -> None:
+    """Where candidate ``c`` is measured next round, from its pool at the rate just measured; ``more_blocks``: the
+    blocks another round adds there. It stays while another round may show it served; else it steps down, two steps
+    where the default is already shown missed that low (the candidate need only serve that rate to be better, and
+    serves a lower rate more surely), never below ``default_missed``. None once it is shown served, or when a step
+    would go below ``floor`` or past its :data:`RATES_PER_CANDIDATE` rates."""
     rate = c.next_rate
-    if rate is None:
+    pool = c.pool(rate) if rate is not None else None
+    if rate is None or pool is None:
         return
-    pool = c.pool(rate)
-    assert pool is not None, f"{c.name} was not measured at {rate} req/s"
     v = pool.verdict()
     if v == "met":
-        c.next_rate = None  # its capacity is shown
-    elif v == "missed" or not pool.likely("met", more):
+        c.next_rate = None
+    elif v == "missed" or not pool.within_reach("met", more_blocks):
         down = rate / step
-        c.next_rate = down if down >= floor * (1 - 1e-9) else None
+        if default_missed < down * (1 - 1e-9):
+            down = max(default_missed, rate / step ** 2)
+        fits = down >= floor * (1 - 1e-9) and len(c.pools) < RATES_PER_CANDIDATE
+        c.next_rate = down if fits else None
 
 
-def default_rate(result: VerdictResult) -> float | None:
-    """Where the default config is measured this round: at the rate of the leading undecided candidate (the
-    highest it has shown served, else the rate it is measured at), so that each round pairs the two at one rate on
-    one draw. A miss there is what "better" needs, and a config at the edge of 90 % over a range of rates (as the
-    default's long prefills keep it) misses most surely at the highest rate that can still decide. None when
-    nothing more of the default can decide: no candidate is undecided, or it is already shown to miss there."""
-    undecided = [c for c in result.candidates if result.outcome(c) == "undecided"]
-    rates = [c.shown_served() or c.next_rate for c in undecided]
-    target = max((r for r in rates if r), default=None)
-    if target is None or result.default.shown_missed() <= target * (1 + 1e-9):
-        return None
-    return target
+def default_rates(result: VerdictResult, step: float) -> list[float]:
+    """Where the default config is measured this round: beside each undecided candidate at its rate (paired on the
+    same arrivals), and at its own searched ceiling (a step above the lowest rate its search read below the target
+    share, when that is below the candidates' rates); at each until its pool there is decided."""
+    d = result.default
+    undecided = [c for c in result.candidates if result.outcome(c) == "undecided" and c.next_rate is not None]
+    rates = [c.next_rate for c in undecided if c.next_rate is not None]
+    own = ceiling_rate(d, step)
+    below = rates + ([result.winner.shown().low] if result.winner is not None else [])
+    if below and own is not None and own < min(below) * (1 - 1e-9):
+        rates.append(own)
+    return sorted(r for r in set(rate_key(r) for r in rates)
+                  if (pool := d.pool(r)) is None or pool.verdict() == "undecided")
+
+
+def ceiling_open(result: VerdictResult, step: float) -> bool:
+    """Whether the default's own ceiling, below the winner's shown-served rate, is still undecided (a miss there
+    would give the ratio a multiple)."""
+    own, w = ceiling_rate(result.default, step), result.winner
+    if own is None or w is None or own >= w.shown().low * (1 - 1e-9):
+        return False
+    pool = result.default.pool(own)
+    return pool is None or pool.verdict() == "undecided"
+
+
+def ceiling_rate(default: Contender, step: float) -> float | None:
+    """The default's own rate in the verdict: a step above the lowest rate its search read below the target share
+    (None: its search read every rate served)."""
+    return rate_key(default.search_high * step) if math.isfinite(default.search_high) else None
+
+
+def first_rate(claim: float, default_high: float, step: float) -> float:
+    """Where a candidate is first measured: one step below its searched capacity (the best of the searched configs
+    on one draw is likely to have been lucky there), or lower, down to two steps, where the geometric middle
+    between it and the default's searched ceiling lies lower: there it attains more surely while the default misses
+    (a 1.3x difference is shown at the middle, not at the candidate's edge)."""
+    middle = math.sqrt(claim * default_high) if math.isfinite(default_high) else 0.0
+    return min(claim / step, max(claim / step ** 2, middle))
 
 
 def paired_verdict(default: Contender, candidates: list[Contender], measure_at: MeasureAt, max_rounds: int = 4,
-                   budget_s: float = 300.0, level: float = DEFAULT_LEVEL, step: float = 1.3, floor: float = 0.0,
+                   budget_s: float = 300.0, level: float = DEFAULT_LEVEL, step: float = 1.15, floor: float = 0.0,
                    first_draw: int = 100, on_round: Callable[[int, VerdictResult], None] | None = None,
-                   clock: Callable[[], float] = time.monotonic) -> VerdictResult:
-    """Rounds of one measurement per config still needed on the round's draw, the order alternating, until every
-    candidate's outcome is decided (or the best one is better), nothing is left to measure, the rounds run out, or
-    the next round would not fit in what is left of ``budget_s`` (judged by the slowest round so far; the first
-    round always runs). A candidate is measured at its planned rate (:func:`plan_next`), the default at the leading
-    candidate's (:func:`default_rate`). ``floor``: the lowest rate a candidate steps down to."""
+                   clock: Callable[[], float] = time.monotonic,
+                   cost: Callable[[list[tuple[Contender, float]]], float] | None = None) -> VerdictResult:
+    """Rounds on fresh draws (one per round, shared by every config in it; the order alternating) until every
+    candidate's outcome is decided (or one is better and no undecided one could beat it), nothing is left to
+    measure, the rounds run out, or the next round would not fit in what is left of ``budget_s`` (``cost`` of its
+    measurements, else the slowest round so far; the first round always runs). ``floor``: the lowest rate a
+    candidate steps down to. Rounds cost no error rate: at each rate they continue one confidence sequence."""
     result = VerdictResult(default, candidates, level, max_rounds)
     started, slowest = clock(), 0.0
-    exhausted = False  # nothing left to measure that could decide
     for r in range(max_rounds):
-        default.next_rate = default_rate(result)
-        open_ = [c for c in candidates if result.outcome(c) == "undecided" and c.next_rate is not None]
-        everyone = ([default] if default.next_rate is not None else []) + open_
-        if not everyone:
-            exhausted = True
-            break
-        if r >= 1 and clock() - started + slowest > budget_s:
+        plan = [(default, rate) for rate in default_rates(result, step)]
+        plan += [(c, c.next_rate) for c in candidates
+                 if result.outcome(c) == "undecided" and c.next_rate is not None]
+        if not plan:
+            result.stopped = f"nothing left to measure could decide, after {r} rounds"
+            return result
+        if r >= 1 and clock() - started + (cost(plan) if cost is not None else slowest) > budget_s:
             result.stopped = f"time budget ({budget_s:.0f}s) used after {r} rounds"
             return result
         t0 = clock()
-        for c in (everyone if r % 2 == 0 else everyone[::-1]):
-            rate = c.next_rate
+        measured: set[str] = set()
+        for c, rate in (plan if r % 2 == 0 else plan[::-1]):
             assert rate is not None
             sample = measure_at(c, rate, first_draw + r)
-            c.add(sample, result.look)
-            c.rounds += 1
-            if not c.is_default:
-                plan_next(c, step, floor, max(sample.requests, 1))
+            c.add(sample, result.look(c))
+            if c.name not in measured:
+                c.rounds += 1
+                measured.add(c.name)
+        for c in candidates:
+            pool = c.pool(c.next_rate) if c.next_rate is not None else None
+            last = pool.samples[-1] if pool and pool.samples else None
+            plan_next(c, step, floor, max(1, len(last.blocks) if last else 1), default.shown().high)
         slowest = max(slowest, clock() - t0)
         if on_round is not None:
             on_round(r + 1, result)
         w = result.winner
-        if w is not None and not any(result.outcome(c) == "undecided" and c.claim > w.shown_served()
+        if w is not None and not any(result.outcome(c) == "undecided" and c.claim > w.shown().low
                                      for c in candidates):
-            result.stopped = f"{w.name} shown better after {r + 1} rounds"
-            return result
+            # the winner is decided; the default's own ceiling may still give the ratio a multiple
+            if not ceiling_open(result, step) or r + 1 >= max_rounds or (
+                    clock() - started + (cost([(default, ceiling_rate(default, step) or 0.0)]) if cost is not None
+                                         else slowest) > budget_s):
+                result.stopped = f"{w.name} shown better after {r + 1} rounds"
+                return result
     decided = all(result.outcome(c) != "undecided" for c in candidates)
     rounds = max(c.rounds for c in [default] + candidates)
-    result.stopped = (f"decided after {rounds} rounds" if decided else
-                      f"nothing left to measure could decide, after {rounds} rounds" if exhausted else
-                      f"{max_rounds} rounds")
+    result.stopped = f"decided after {rounds} rounds" if decided else f"{max_rounds} rounds"
     return result
 
 
 def verdict_line(result: VerdictResult, slo_text: str) -> str:
-    """The last line of ``tune``: what the tuned config serves, against the default config, with intervals."""
-    look = result.look
-    d = result.default.capacity()
-    d_text = (f"{d.format(' req/s', 1, 3)}" if d.value > 0 else
-              f"0 req/s (not shown to serve {d.high:.3g} req/s)")
+    """The last line of ``tune``: the tuned config's shown capacity, paired attainment against the default at its
+    rate, each bracket, and the ratio where shown bounds give one."""
+    note = (f"claims at {result.level:.0%} together, each candidate's pool at "
+            f"{result.look(result.candidates[0]) if result.candidates else result.level:.2%}, the default's at "
+            f"{result.look(result.default):.2%}; "
+            f"{max(c.rounds for c in [result.default] + result.candidates)} round(s) of fresh draws")
+    d = result.default.shown()
+    d_text = f"default {d.format()}"
     w = result.winner
-    note = (f"brackets at {result.level:.0%} from the searches, {look:.1%} where the verdict measured "
-            f"({result.max_rounds} looks)")
-    rounds = max(c.rounds for c in [result.default] + result.candidates)
+    c = w if w is not None else result.best
+    if c is None:
+        return f"no candidate reached the verdict within {slo_text}: {d_text} ({result.stopped}; {note})"
+    mine = c.shown()
+    rate = mine.low if mine.low > 0 else (c.next_rate or max((p.rate for p in c.pools.values()), default=0.0))
+    diff = result.paired_difference(c, rate)
+    theirs = result.default.pool(rate)
+    paired = ""
+    if diff is not None and theirs is not None and theirs.requests:
+        own = c.pool(rate)
+        paired = (f"; at {rate:.3g} req/s on the same arrivals it attains "
+                  f"{own.attainment().value:.1%} against the default's {theirs.attainment().value:.1%} "
+                  f"({diff.format(' points', 100, 3)})" if own is not None else "")
+    ratio = result.ratio(c)
     if w is not None:
-        c, ratio = w.capacity(), result.ratio(w)
-        ratio_text = ratio.format("x", 1, 3) if math.isfinite(ratio.value) else f">= {ratio.low:.3g}x"
-        return (f"tuned serves {c.format(' req/s', 1, 3)} within {slo_text}, {ratio_text} the default "
-                f"config's {d_text} ({rounds} round{'s' if rounds != 1 else ''} of fresh draws; {note})")
-    best = result.best
-    tail = ""
-    if best is not None:
-        tail = (f"; best candidate {best.capacity().format(' req/s', 1, 3)} ({result.outcome(best)}), ratio "
-                f"{result.ratio(best).format('x', 1, 3)}")
-        served = best.shown_served()
-        diff = result.paired_difference(best, served) if served > 0 else None
-        if diff is not None:
-            tail += (f"; at {served:.3g} req/s it attains {diff.format(' points', 100, 3)} more of the same arrivals "
-                     f"than the default")
-    return (f"no config beats the default beyond the noise within {slo_text}: default {d_text}{tail}; safest: "
-            f"{result.safest.name} ({result.stopped}; {note})")
+        return (f"tuned serves {mine.low:.3g} req/s within {slo_text} ({mine.format()}), {ratio.format()} the "
+                f"default's capacity{paired}; {d_text} ({note})")
+    served = f"serves {mine.low:.3g} req/s" if mine.low > 0 else "was not shown to serve a rate"
+    return (f"no config was shown to serve more than the default within {slo_text}: best candidate {served} "
+            f"({mine.format()}, {result.outcome(c)}){paired}; {d_text}; safest: {result.safest.name} "
+            f"({result.stopped}; {note})")

@@ -28,8 +28,9 @@ import optuna
 from policies import Policy
 from loadtest.records import RequestRecord
 from loadtest.summary import SLO
-from tuner.measure.capacity import Capacity, capacity_searcher, measurement_spec
-from tuner.measure.measurement import figures, segment_seed, window_records
+from tuner.measure.capacity import Capacity, Shown, capacity_searcher, measurement_spec
+from tuner.measure.measurement import TARGET_SHARE, figures, segment_seed, window_records
+from tuner.measure.statistics import DEFAULT_LEVEL
 from tuner.search.study import measured
 from tuner.trials.trial_backend import TrialBackend
 
@@ -54,7 +55,7 @@ def same_windows(sim: TrialBackend, policy: Policy, knobs: dict[str, Any], searc
     assert isinstance(sim.slo, SLO)
     for i, probe in enumerate(searched.get("probes") or []):
         segments = sorted((trial_dir / f"probe-{i}").glob("segment-*"), key=lambda d: int(d.name.split("-")[1]))
-        pooled: list[RequestRecord] = []
+        pooled: list[list[RequestRecord]] = []
         for seg in segments:
             try:
                 engine = json.loads((seg / "summary.json").read_text())
@@ -64,22 +65,25 @@ def same_windows(sim: TrialBackend, policy: Policy, knobs: dict[str, Any], searc
             j = int(seg.name.split("-")[1])
             o = sim.run(knobs, out_dir / f"probe-{i}" / seg.name, rate=float(probe["rate"]),
                         seed=segment_seed(draw + i, j), duration=length)
-            pooled += window_records(o)
+            pooled.append(window_records(o))
             simulated = o.summary or {}
             pairs.append({"rate": float(probe["rate"]), "window": j, "requests": engine.get("requests"),
                           "attainment": [engine.get("attainment"), simulated.get("attainment")],
                           "ttft_p99": [engine.get("ttft_p99"), simulated.get("ttft_p99")]})
         if pooled:
-            verdicts.append((float(probe["rate"]), figures(pooled, sim.slo, spec).verdicts["attainment"]))
-    return pairs, bracket_of(verdicts, policy.capacity.resolution)
+            f = figures(pooled, sim.slo, spec, float(probe["rate"]))
+            verdicts.append((float(probe["rate"]), reading(f.verdicts["attainment"], f.attainment.value)))
+    return pairs, bracket_of(verdicts)
 
 
-def bracket_of(verdicts: Sequence[tuple[float, str]], resolution: float) -> Bracket:
-    """The bracket a rate search's verdicts (rate, verdict), in the order probed, leave (Capacity.narrow)."""
-    cap = Capacity({}, resolution=resolution)
-    for rate, verdict in verdicts:
-        cap.narrow(rate, verdict)
-    return cap.bracket
+def reading(verdict: str, attainment: float) -> str:
+    """How a probe steers a search (Capacity.steer): "met" where shown met or read at least the target share."""
+    return "met" if verdict == "met" or (verdict != "missed" and attainment >= TARGET_SHARE) else "missed"
+
+
+def bracket_of(readings: Sequence[tuple[float, str]]) -> Bracket:
+    """The searched bracket that a search's readings (rate, "met" or "missed"; :func:`reading`) leave."""
+    return Shown.of(list(readings), DEFAULT_LEVEL).as_list()
 
 
 def window_agreement(pairs: list[dict[str, Any]]) -> dict[str, Any]:

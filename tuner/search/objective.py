@@ -87,11 +87,11 @@ def evaluate_goodput(runner: TrialRunner | TrialBackend, knobs: dict[str, Any], 
 
 
 def evaluate_capacity(searcher: CapacitySearcher, knobs: dict[str, Any], out_dir: Path,
-                      start: float | None = None, resolution: float | None = None) -> Evaluation:
+                      start: float | None = None) -> Evaluation:
     """The config's capacity by a rate search (tuner/measure/capacity.py) from ``start`` (a positive prediction), else
-    from what is known, to ``resolution`` (else the searcher's); the outcome is the last window of the measurement at its capacity (feasible: some rate was
-    shown to be served), the probes' figures go to the trial's attrs."""
-    cap = searcher.search(knobs, out_dir, start=start if start else None, resolution=resolution)
+    from what is known; the value is its searched capacity, the outcome the last window of the measurement there
+    (feasible: some rate read served), the probes' figures go to the trial's attrs."""
+    cap = searcher.search(knobs, out_dir, start=start if start else None)
     at = cap.at_capacity
     assert at is not None
     last = at.segments[-1] if at.segments else TrialOutcome(cap.knobs, {}, {}, False, at.reason, out_dir)

@@ -29,12 +29,13 @@ from tuner.trials.trial_backend import TrialBackend
 from tuner.trials.trial_runner import TrialOutcome, TrialRunner
 
 CONFIRMED = 3  # how many of the best screened configs the study confirms on the engine
-# The capacity screen (screen_capacity). The simulator is cheap, so its measurements are sized to decide (up to
-# SCREEN_CAP_S simulated seconds each) rather than to the engine's cap: at the engine's cap one draw's capacity of a
-# config moved between 0 and 1.5 req/s from draw to draw in the simulator. The best SCREEN_REDRAWN configs on the
-# first draw are searched on SCREEN_DRAWS draws in all and ranked by their worst: a config whose capacity holds on
-# every draw, not the luckiest one on a single draw.
-SCREEN_CAP_S = 300.0
+# The capacity screen (screen_capacity). The simulator is cheap, so each of its probes is one sustained window of
+# SCREEN_WINDOW_S simulated seconds (as the verdict measures) rather than the engine's windows from idle: at the
+# engine's cap one draw's capacity of a config moved between 0 and 1.5 req/s from draw to draw in the simulator. The
+# screen claims nothing, so its searches steer by what each window read (tuner/measure/capacity.py). The best
+# SCREEN_REDRAWN configs on the first draw are searched on SCREEN_DRAWS draws in all and ranked by their worst: a
+# config whose capacity holds on every draw, not the luckiest one on a single draw.
+SCREEN_WINDOW_S = 90.0
 SCREEN_DRAWS = 3
 SCREEN_REDRAWN = 8
 COMPARED = ("goodput_rps", "throughput_rps", "tbt_p99", "ttft_p99", "attainment")
@@ -106,17 +107,17 @@ class ScreenedCapacity:
 
 
 def screen_capacity(policy: Policy, sim: TrialBackend, n: int, out_dir: Path, draws: int = SCREEN_DRAWS,
-                    redrawn: int = SCREEN_REDRAWN, cap_s: float = SCREEN_CAP_S) -> list[ScreenedCapacity]:
+                    redrawn: int = SCREEN_REDRAWN, window_s: float = SCREEN_WINDOW_S) -> list[ScreenedCapacity]:
     """The capacity of ``n`` configs sampled from ``policy``'s space in the simulator ``sim``: all on one draw, the
     best ``redrawn`` of them on ``draws`` in all; best first (see :meth:`ScreenedCapacity.rank_key`). Each draw's
     searches learn their starts from each other (tuner.measure.capacity.CapacitySearcher), as the engine's do."""
     from tuner.measure.capacity import capacity_searcher
 
-    sized = policy.replace(measurement=replace(policy.measurement, cap=cap_s))
     configs = [ScreenedCapacity(knobs, params) for knobs, params in _sample(policy, n, policy.seed)]
 
     def search(chosen: list[ScreenedCapacity], draw: int) -> None:
-        searcher = capacity_searcher(sim, sized)
+        searcher = capacity_searcher(sim, policy)
+        searcher.spec = replace(searcher.spec, sustained_s=window_s)
         for i, c in enumerate(chosen):
             # probe j of a search is on draw base + j: bases max_probes apart keep the draws' arrivals apart
             cap = searcher.search(c.knobs, Path(out_dir) / f"draw-{draw}" / f"config-{i}",

@@ -343,11 +343,9 @@ def run_trials(study: optuna.Study, runner: TrialRunner | TrialBackend, policy: 
 def _evaluate(trial: optuna.Trial, role: str, knobs: dict[str, Any], runner: TrialRunner | TrialBackend,
               policy: Policy, trial_dir: Path, searcher: CapacitySearcher | None) -> Evaluation:
     if policy.objective == "capacity":
-        # a screened config's search starts at the simulator's predicted capacity, when it has one; the default's
-        # stops at its own, coarser resolution
+        # a screened config's search starts at the simulator's predicted capacity, when it has one
         return evaluate_capacity(searcher or capacity_searcher(runner, policy), knobs, trial_dir,
-                                 trial.user_attrs.get("screen_predicted_capacity"),
-                                 policy.capacity.default_resolution if role == ROLE_DEFAULT else None)
+                                 trial.user_attrs.get("screen_predicted_capacity"))
     # the default config is the baseline of the report: measured over the whole window
     return evaluate_goodput(runner, knobs, trial_dir, prune=role != ROLE_DEFAULT)
 
@@ -359,5 +357,7 @@ def _jsonable(v: Any) -> Any:
 def study_name_for(policy: Policy, rate: float | None) -> str:
     wl = Path(policy.workload.name).stem
     r = "auto" if rate is None else f"{rate:g}rps"
-    return f"tune-{wl}-x{policy.workload.length_scale:g}-tbt{policy.slo.tbt_p99 * 1000:g}ms-{r}-{policy.objective}"
+    seed = f"-seed{policy.seed}" if policy.seed else ""
+    return (f"tune-{wl}-x{policy.workload.length_scale:g}-tbt{policy.slo.tbt_p99 * 1000:g}ms-{r}-{policy.objective}"
+            + seed)
 

@@ -12,7 +12,9 @@ step statistics, and write the trial folder:
                       started_at, simulated}
 
 A rejected config (422), a load test that fails or times out, and an engine that dies are infeasible trials with
-their reason (a dead engine this tuner started is restarted). A trial whose p99 TBT is clearly lost is stopped
+their reason (a dead engine this tuner started is restarted). A window in which other processes on the machine took
+more than a quarter of a core is one too, its reason "the machine was busy ..." (tuner/trials/host_load.py): the
+measurement runs it again rather than count it against the config. A trial whose p99 TBT is clearly lost is stopped
 early (pruned) and recorded as infeasible. The engine is reached only over HTTP; locust is never imported here.
 """
 
@@ -36,6 +38,7 @@ from loadtest.runner import LOCUSTFILE, LoadTestError, run_loadtest
 from loadtest.summary import SLO, summarize, write_summary
 from policies import PruningSpec, SLOTargets, WorkloadSpec
 from tuner.trials.engine_handle import ConfigRejected, EngineError, EngineHandle, ManagedEngine
+from tuner.trials.host_load import HostLoad, busy_reason
 from tuner.trials.step_collector import STEP_POLL_S, StepCollector
 from tuner.trials.pruning import PruneWatcher, itl_buckets
 from tuner.measure.step_stats import step_stats, window_steps
@@ -187,12 +190,14 @@ class TrialRunner:
                            if prune and self.pruning is not None and self.pruning.enabled and self.slo.tbt_p99
                            else None)
         load_error = None
+        host = HostLoad(judged=isinstance(self.engine, ManagedEngine)).start()
         try:
             run_summary = run_loadtest(cfg, on_progress=watch, realtime=self.realtime, cpus=self.generator_cpus,
                                        timeout=60.0 + cfg.duration + self.drain_timeout + 30.0)
         except LoadTestError as error:
             load_error = str(error).splitlines()[0]
             run_summary = None
+        watch.host = host.stop()
         if run_summary is not None and "interrupted" in run_summary.get("warnings", []):
             raise KeyboardInterrupt  # the runner stopped Locust on Ctrl-C; the study must stop too
         watch.ended_at = time.time()  # wall clock, as the step records' start times
@@ -242,6 +247,7 @@ class TrialRunner:
                             meta={k: v for k, v in run_summary.items() if k != "warnings"},
                             lag_warn=cfg.lag_warn)
         summary["engine_itl_p99"] = engine_itl_p99(watch.itl_start or {}, itl_end)
+        summary["host"] = watch.host
         write_summary(str(out_dir / "summary.json"), summary)
         t0 = float(run_summary.get("start_time") or 0.0)
         # the steps that made the window's tokens: from its opening to the load test's end (the drain included),
@@ -254,6 +260,9 @@ class TrialRunner:
             for r in steps:
                 f.write(json.dumps(r) + "\n")
         stats = step_stats(steps, dropped=watch.collector.dropped_in(start, end_s))
+        busy = busy_reason(watch.host)
+        if busy is not None:  # the window measured the machine, not the config
+            return TrialOutcome(knobs, summary, stats, False, busy, out_dir, rate=rate)
         if watch.watcher is not None and watch.watcher.reason:
             return TrialOutcome(knobs, summary, stats, False, watch.watcher.reason, out_dir, pruned=True, rate=rate)
         reason = feasibility(summary, self.slo)
@@ -295,6 +304,7 @@ class _LoadWatch:
         self.itl_start: dict[float, float] | None = None
         self.stopped_at: float | None = None  # seconds into the load test when the pruner stopped it
         self.ended_at = math.inf  # when the load test ended (wall clock)
+        self.host: dict[str, float | bool] = {}  # what other processes took meanwhile (tuner/trials/host_load.py)
 
     def __call__(self, p: dict[str, Any]) -> None:
         runner = self.runner

@@ -1,0 +1,66 @@
+"""How the verdict's measurements are sized, from the policy (tuner/measure/verdict.py says what they decide).
+
+Every verdict measurement is one sustained window: a rate shown served is one the engine sustains that long. A
+candidate's window holds enough blocks to show it served at its pool level if every block attains (and a quarter
+more, as a few will not). The default's beside it, on the same arrivals, is half as long: a miss shows within a few
+blocks, and its blocks pair with the candidate's first half for the paired difference. The default's at its own
+ceiling is the policy's ``verdict.window``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from policies import Policy
+from tuner.measure.capacity import measurement_spec
+from tuner.measure.measurement import Measurement, MeasurementSpec
+from tuner.measure.verdict import RATES_PER_CANDIDATE, Sample, pool_levels
+
+SHOW_MARGIN = 1.25  # a candidate's window: this many times the blocks that show the share when every block attains
+
+
+@dataclass(frozen=True)
+class VerdictPlan:
+    spec: MeasurementSpec  # the policy's measurement, at its level
+    candidates: int
+    window: float  # the default's sustained window (verdict.window)
+    warmup: float
+    step: float  # a candidate is first measured one step below its searched capacity, then a step lower
+
+    @classmethod
+    def of(cls, policy: Policy) -> VerdictPlan:
+        return cls(measurement_spec(policy), policy.verdict.candidates, policy.verdict.window, policy.warmup,
+                   1 + policy.capacity.resolution)
+
+    def spec_for(self, default: bool, beside: bool = True) -> MeasurementSpec:
+        """The measurement of one side (the default beside a candidate, or at its own ceiling): at its pool level,
+        in one sustained window of its length."""
+        level = pool_levels(self.spec.level, self.candidates)[1 if default else 0]
+        return replace(self.spec, level=level, sustained_s=self.window_for(default, beside))
+
+    def window_for(self, default: bool, beside: bool = True) -> float:
+        spec = replace(self.spec, level=pool_levels(self.spec.level, self.candidates)[0])
+        candidate = max(self.window, math.ceil(SHOW_MARGIN * spec.blocks_to_show()) * spec.block_s)
+        if not default:
+            return candidate
+        return max(self.window, candidate / 2) if beside else self.window
+
+    def round_s(self, plan: list[tuple[bool, bool]]) -> float:
+        """A round of measurements (default?, beside a candidate?), a warm-up before each, no idle waits."""
+        return sum(self.window_for(default, beside) + self.warmup for default, beside in plan)
+
+    def full_round_s(self) -> float:
+        """A first round: each candidate, the default beside each, and the default at its own ceiling."""
+        return self.round_s([(False, True)] * self.candidates + [(True, True)] * self.candidates + [(True, False)])
+
+    @property
+    def rates_per_candidate(self) -> int:
+        return RATES_PER_CANDIDATE
+
+
+def sample_of(m: Measurement, draw: int) -> Sample:
+    """A verdict measurement as its pool keeps it."""
+    f = m.figures
+    return Sample(m.rate, draw, f.blocks if f is not None else (), m.reason, m.void, m.output_tokens_per_s,
+                  m.describe())
