@@ -30,7 +30,8 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np
 
-from loadtest.summary import SLO, attains
+from slotune.slo import SLO
+from loadtest.summary import attains
 from policies import load_policy
 from tuner.measure.dependence import attainment_interval, block_counts
 from tuner.measure.measurement import window_records

@@ -31,7 +31,8 @@ import yaml
 
 from engine.cpu_info import cpu_name
 from loadtest.records import RequestRecord, read_records
-from loadtest.summary import SLO, attains
+from slotune.slo import SLO
+from loadtest.summary import attains
 from tuner.trials.engine_handle import ManagedEngine
 from tuner.measure.statistics import proportion_interval
 

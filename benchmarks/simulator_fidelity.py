@@ -28,6 +28,7 @@ import numpy as np
 
 from engine.config import EngineConfig
 from loadtest.config import LoadConfig
+from slotune.slo import SLO
 from loadtest.runner import run_loadtest
 from tuner.commands.calibrate import CalibrationPlan, calibrate
 from tuner.trials.engine_handle import ManagedEngine
@@ -69,7 +70,7 @@ def rel(pred: float | None, real: float | None) -> float | None:
 
 
 def load_config(n: int, load: dict[str, Any], duration: float, url: str, out: Path) -> LoadConfig:
-    return LoadConfig(url=url, duration=duration, slo_p99_tbt=0.1, drain_timeout=30.0, request_timeout=60.0,
+    return LoadConfig(url=url, duration=duration, slo=SLO(0.1), drain_timeout=30.0, request_timeout=60.0,
                       out=str(out / f"real{n}"), seed=7 + n, **load)
 
 

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from slotune.units import parse_duration
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from policies import default_policy_path, load_policy
 from tuner.search.comparison import METHODS, compare, plot
 from tuner.simulation.profiles import limits_of

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from loadtest.config import LoadConfig
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from policies import default_policy_path, load_policy
 from tuner.search.screening import screen
 from tuner.simulation.simulator import simulate_load
@@ -59,10 +59,10 @@ def main() -> int:
     limits = limits_of(model)
     if args.full_trace:
         cfg = LoadConfig(workload=args.trace, time_scale=1.0, duration=4000, length_scale=args.length_scale,
-                         max_context=2048, slo_p99_tbt=0.15)
+                         max_context=2048, slo=SLO(0.15))
     else:
         cfg = LoadConfig(workload=args.trace, rate=args.rate, duration=3600, length_scale=args.length_scale,
-                         max_context=2048, slo_p99_tbt=0.15)
+                         max_context=2048, slo=SLO(0.15))
     warnings.simplefilter("ignore")
     best = best_cpu = float("inf")
     for _ in range(args.repeat):

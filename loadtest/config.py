@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from loadtest.arrivals import KINDS
+from slotune.slo import SLO
 from slotune.units import parse_duration
 from loadtest.tokens import TokenSpace
 from loadtest.workloads import DEFAULT_MIX, DEFAULT_MIX_WEIGHTS
@@ -106,7 +107,7 @@ _CONVERT: dict[str, Callable[[Any], Any]] = {
     "seed": _opt(int),
     "prefix_groups": _opt(_pos_int),
     "model": _opt(str),
-    "slo_p99_tbt": _opt(parse_duration),
+    "slo_p99_tbt": _opt(parse_duration),  # the --slo-p99-* flags fill LoadConfig.slo (SLO_FLAGS)
     "slo_p99_ttft": _opt(parse_duration),
     "slo_p99_e2e": _opt(parse_duration),
     "drain_timeout": _opt(parse_duration),
@@ -114,6 +115,9 @@ _CONVERT: dict[str, Callable[[Any], Any]] = {
     "lag_warn": _opt(parse_duration),
     "out": _opt(str),
 }
+
+
+SLO_FLAGS = {"slo_p99_tbt": "tbt_p99", "slo_p99_ttft": "ttft_p99", "slo_p99_e2e": "e2e_p99"}  # option -> SLO field
 
 
 @dataclass(frozen=True)
@@ -141,9 +145,7 @@ class LoadConfig:
     prefix_output_len: str = "64"
     token_range: str = "100:32000"
     model: str | None = None
-    slo_p99_tbt: float | None = None
-    slo_p99_ttft: float | None = None
-    slo_p99_e2e: float | None = None
+    slo: SLO = SLO()  # from the --slo-p99-* flags
     drain_timeout: float = 60.0
     request_timeout: float = 120.0
     lag_warn: float = 0.010
@@ -178,9 +180,10 @@ class LoadConfig:
                 raise ValueError(f"--{o.flag}: {e}") from None
             if value is not None:
                 kwargs[o.field] = value
+        targets = {SLO_FLAGS[k]: kwargs.pop(k) for k in list(kwargs) if k in SLO_FLAGS}
         if url:
             kwargs["url"] = url
-        return cls(**kwargs)
+        return cls(**kwargs, slo=SLO(**targets))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -188,17 +191,21 @@ class LoadConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LoadConfig":
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        values = {k: v for k, v in d.items() if k in names}
+        if isinstance(values.get("slo"), dict):
+            values["slo"] = SLO.from_dict(values["slo"])
+        return cls(**values)
 
-    def slo(self) -> dict[str, float | None]:
-        return {"tbt_p99": self.slo_p99_tbt, "ttft_p99": self.slo_p99_ttft, "e2e_p99": self.slo_p99_e2e}
+    def option(self, field: str) -> Any:
+        """The value behind option ``field`` (an SLO flag reads its target)."""
+        return getattr(self.slo, SLO_FLAGS[field]) if field in SLO_FLAGS else getattr(self, field)
 
 
 def to_argv(cfg: LoadConfig) -> list[str]:
     """The config as the locustfile's command-line flags (``--url`` goes as Locust's ``--host``)."""
     argv: list[str] = []
     for o in OPTIONS:
-        v = getattr(cfg, o.field)
+        v = cfg.option(o.field)
         if v is None:
             continue
         argv += [f"--{o.flag}", repr(v) if isinstance(v, float) else str(v)]

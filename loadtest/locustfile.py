@@ -33,7 +33,7 @@ from loadtest.config import OPTIONS, LoadConfig
 from loadtest.openloop import OpenLoopDispatcher
 from loadtest.records import RequestRecord, write_records
 from loadtest.schedule import build_schedule
-from loadtest.summary import SLO, format_summary_table, summarize, write_summary
+from loadtest.summary import format_summary_table, summarize, write_summary
 from loadtest.tokens import TokenSpace
 from loadtest.workloads import RequestSpec
 
@@ -217,8 +217,7 @@ class Collector:
         due_by = self.stopped_at - self.t0 if self.stopped_at is not None and meta.get("stopped_early") else math.inf
         lost = sum(1 for r in self.schedule.requests if r.at <= due_by and r.index not in self.records)
         meta["lost_requests"] = lost
-        slo = SLO(self.cfg.slo_p99_tbt, self.cfg.slo_p99_ttft, self.cfg.slo_p99_e2e)
-        summary = summarize(recs, slo, duration_s=duration, meta=meta, lag_warn=self.cfg.lag_warn)
+        summary = summarize(recs, self.cfg.slo, duration_s=duration, meta=meta, lag_warn=self.cfg.lag_warn)
         if lost:
             summary["warnings"].append(f"{lost} scheduled requests have no record")
         os.makedirs(self.out, exist_ok=True)

@@ -23,25 +23,13 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import numpy as np
 
+from slotune.slo import SLO
 from slotune.units import format_duration
 from loadtest.records import RequestRecord, from_frame, read_records
-
-
-@dataclass(frozen=True)
-class SLO:
-    """Latency targets in seconds; None = no target."""
-
-    tbt_p99: float | None = None
-    ttft_p99: float | None = None
-    e2e_p99: float | None = None
-
-    def as_dict(self) -> dict[str, float | None]:
-        return {"tbt_p99": self.tbt_p99, "ttft_p99": self.ttft_p99, "e2e_p99": self.e2e_p99}
 
 
 def percentile(values: Iterable[float] | np.ndarray, q: float) -> float | None:

@@ -18,6 +18,7 @@ from typing import Any, get_args
 import yaml
 
 from engine.knobs import KNOB_BY_NAME
+from slotune.slo import SLO
 from policies.control import ControlSpec, parse_control
 from policies.schema import Objective, PolicyDoc, PolicyError, Sampler, Start, validate_document
 
@@ -158,16 +159,6 @@ class Constraint:
 
 
 @dataclass(frozen=True)
-class SLOTargets:
-    tbt_p99: float
-    ttft_p99: float | None = None
-    e2e_p99: float | None = None
-
-    def as_dict(self) -> dict[str, float | None]:
-        return {"tbt_p99": self.tbt_p99, "ttft_p99": self.ttft_p99, "e2e_p99": self.e2e_p99}
-
-
-@dataclass(frozen=True)
 class WorkloadSpec:
     name: str = "mixed"
     length_scale: float = 1.0
@@ -218,12 +209,12 @@ class VerdictPolicy:
     candidates: int = 2       # best configs re-measured beside the default (>= 1)
     max_rounds: int = 4       # paired rounds at most (>= 2)
     budget: float = 300.0     # seconds the rounds may take in all (> 0)
-    window: float = 60.0      # each measurement one sustained window this long (0: windows in turn, as a search's)
+    window: float = 60.0      # the default's sustained window at its own ceiling (> 0; tuner/measure/verdict_plan.py)
 
 
 @dataclass(frozen=True)
 class Policy:
-    slo: SLOTargets
+    slo: SLO
     search_space: tuple[KnobRange, ...]
     fixed: dict[str, Any] = field(default_factory=dict)
     constraints: tuple[Constraint, ...] = ()
@@ -287,7 +278,7 @@ def _policy(doc: PolicyDoc, data: dict[str, Any], source: str) -> Policy:
                   for name in _in_order(data.get("search_space"), set(ranges)) if (spec := ranges[name]) is not None)
     fixed = {name: getattr(doc.fixed, name) for name in _in_order(data.get("fixed"), doc.fixed.model_fields_set)}
     workload = WorkloadSpec(**doc.workload.model_dump())
-    return Policy(slo=SLOTargets(**doc.slo.model_dump()), search_space=space, fixed=fixed,
+    return Policy(slo=doc.slo, search_space=space, fixed=fixed,
                   constraints=tuple(Constraint(*c) for c in doc.constraints), sampler=doc.sampler, start=doc.start,
                   objective=doc.objective, trials=doc.trials, trial_duration=doc.trial_duration, warmup=doc.warmup,
                   seed=doc.seed, workload=workload, rate=doc.rate, pruning=PruningSpec(**doc.pruning.model_dump()),

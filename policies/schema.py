@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationErr
 from pydantic_core import ErrorDetails
 
 from engine.knobs import KNOB_BY_NAME, KNOB_NAMES, KNOBS, Knob
+from slotune.slo import NAMES as SLO_NAMES
+from slotune.slo import SLO
 from slotune.units import parse_duration
 
 Sampler = Literal["tpe", "gp", "random", "grid", "nsga2"]
@@ -207,10 +209,21 @@ else:
         **{k.name: (Annotated[Any, PlainValidator(_knob_value(k, allow_none=k.optional))], None) for k in KNOBS})
 
 
-class SLODoc(Doc):
-    tbt_p99: PositiveSeconds
-    ttft_p99: OptionalPositiveSeconds = None
-    e2e_p99: OptionalPositiveSeconds = None
+def _slo(value: Any) -> SLO:
+    """The ``slo`` section as the one SLO record (slotune/slo.py): tbt_p99 required, the others optional, each a
+    positive duration."""
+    if not isinstance(value, dict):
+        raise ValueError(f"must be a mapping of targets ({', '.join(SLO_NAMES)}), got {type(value).__name__}")
+    for key in value:
+        if key not in SLO_NAMES:
+            raise At(str(key), f"unknown field; known: {', '.join(SLO_NAMES)}")
+    targets: dict[str, float | None] = {}
+    for key in SLO_NAMES:
+        try:
+            targets[key] = (_positive_seconds if key == "tbt_p99" else _optional_positive_seconds)(value.get(key))
+        except ValueError as error:
+            raise At(key, str(error)) from None
+    return SLO(**targets)
 
 
 class WorkloadDoc(Doc):
@@ -241,7 +254,7 @@ class VerdictDoc(Doc):
     candidates: int = Field(2, ge=1)
     max_rounds: int = Field(4, ge=2)
     budget: PositiveSeconds = 300.0
-    window: Seconds = 60.0
+    window: PositiveSeconds = 60.0
 
 
 class PruningDoc(Doc):
@@ -252,7 +265,7 @@ class PruningDoc(Doc):
 
 
 class PolicyDoc(Doc):
-    slo: SLODoc
+    slo: Annotated[SLO, PlainValidator(_slo)]
     search_space: SearchSpaceDoc
     fixed: FixedDoc
     constraints: list[Annotated[tuple[str | float, str, str | float], PlainValidator(_constraint)]] = []

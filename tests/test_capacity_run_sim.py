@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from policies import load_policy
 from tuner.commands.capacity_run import CapacityRun
 from tuner.commands.tune import build_parser
@@ -59,7 +59,7 @@ def test_the_capacity_flow_on_the_simulator_claims_only_what_long_runs_confirm(
     assert "floor: batch-1 p99 TBT" in out and "screened" in out
     # a search's line: where it read the knee, and apart from it what it showed at its level
     assert re.search(r"\[1/3\] #0 default config \| searched [\d.]+ req/s \([\d.]+-[\d.?]+\), shown at 95%: served "
-                     r"(none|[\d.]+), missed (none|[\d.]+) req/s", out), out
+                     r"(no rate|[\d.]+ req/s), missed (no rate|[\d.]+ req/s)", out), out
     # the default's search is bisected as closely as a candidate's: to 15 %, or until its probes run out
     low, high = map(float, re.search(r"#0 default config \| searched [\d.]+ req/s \(([\d.]+)-([\d.]+)\)",
                                      out).groups())  # type: ignore[union-attr]

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from server_helpers import SubprocessServer, free_port
 
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from tuner.control.sources import EngineMetricsSource, PrometheusSource, Scrape, SourceUnavailable
 from tuner.control.window import window
 

@@ -26,7 +26,8 @@ from control_helpers import (
 from server_helpers import SubprocessServer
 
 from loadtest.records import read_records
-from loadtest.summary import SLO, attains
+from slotune.slo import SLO
+from loadtest.summary import attains
 from tuner.measure.statistics import proportion_interval
 
 PHASE_ONE = ["--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--chunk-size", "32", "--block-size", "16"]

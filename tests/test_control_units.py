@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from policies import PolicyError, load_policy, parse_policy
 from policies.control import Canary, ControlSpec
 from tuner.control.canary import judge

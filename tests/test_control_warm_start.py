@@ -18,7 +18,7 @@ import yaml
 from optuna.distributions import IntDistribution
 from optuna.trial import TrialState, create_trial
 
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from policies import parse_policy
 from tests.test_tuner_study import CheapRunner, goodput_policy
 from tuner.control.candidates import judging_drain, search

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from loadtest.records import RequestRecord, read_records, to_frame, write_records
-from loadtest.summary import SLO, attains, format_summary_table, percentile, request_tbt_p99, summarize
+from slotune.slo import SLO
+from loadtest.summary import attains, format_summary_table, percentile, request_tbt_p99, summarize
 
 BASE = 1_000_000.0
 

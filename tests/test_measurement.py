@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from loadtest.records import RequestRecord, write_records
-from loadtest.summary import SLO, summarize
+from slotune.slo import SLO
+from loadtest.summary import summarize
 from tuner.measure.capacity import CapacitySearcher, knob_distance, next_rate, search_capacity, start_from_known
 from tuner.measure.measurement import Figures, Measurement, MeasurementSpec, figures, measure
 from tuner.measure.statistics import Interval, Verdict

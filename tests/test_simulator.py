@@ -14,7 +14,7 @@ import pytest
 from engine.step_record import StepRecord
 from loadtest.config import LoadConfig
 from loadtest.records import read_records
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from policies import WorkloadSpec
 from tuner.simulation.simulator import simulate_load
 from tuner.simulation.simulator_trial import SimTrialRunner
@@ -81,7 +81,7 @@ def test_simulate_cli_refuses_bad_input_naming_the_flag(tmp_path: Path, profile:
 
 def test_overload_and_big_batches_move_the_numbers_the_right_way(model: StepTimeModel) -> None:
     def run(rate: float, max_num_seqs: int) -> dict:
-        cfg = LoadConfig(workload="mixed", rate=rate, duration=120, length_scale=0.125, slo_p99_tbt=0.05,
+        cfg = LoadConfig(workload="mixed", rate=rate, duration=120, length_scale=0.125, slo=SLO(0.05),
                          drain_timeout=5)
         return simulate_load(cfg, {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 256}, model)[1]
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from policies import parse_policy
 from tests.test_measurement import ScriptedBackend
 from tuner.search.rescreen import measured_steps
@@ -72,7 +72,7 @@ def test_search_comparison_curves_and_the_grid(runner: SimTrialRunner) -> None:
 def test_the_comparison_runs_the_samplers_in_the_tuners_own_trial_loop(runner: SimTrialRunner, tmp_path) -> None:
     import optuna
 
-    from loadtest.summary import SLO
+    from slotune.slo import SLO
     from tuner.search.comparison import LookupBackend, evaluate_space, key, point, run_method
     from tuner.search.study import enqueue_default, make_sampler, run_trials
 
@@ -355,7 +355,7 @@ class DrawDependentBackend(ScriptedBackend):
             return 2.0 if screen_draw == 0 else 0.5
         return 1.2
 
-    def run(self, knobs, out_dir, rate=None, seed=None):  # type: ignore[no-untyped-def]
+    def run(self, knobs, out_dir, rate=None, seed=None, duration=None):  # type: ignore[no-untyped-def]
         self.bad = 0.0 if (rate or 0.0) <= self.capacity(knobs, int(seed or 0)) else 0.5
         return super().run(knobs, out_dir, rate=rate, seed=seed)
 

@@ -27,7 +27,7 @@ from tuner.measure.capacity import search_capacity
 from tuner.measure.dependence import attainment_interval, block_counts, clustered_quantile_interval
 from tuner.measure.measurement import Figures, Measurement, MeasurementSpec
 from tuner.measure.statistics import Interval, bonferroni_level, lower_verdict, quantile_interval
-from tuner.measure.verdict import Contender, Sample, ceiling_rate, first_rate, paired_verdict, rate_key
+from tuner.measure.verdict import Contender, Sample, first_rate, paired_verdict
 from tuner.measure.verdict_plan import VerdictPlan
 
 LEVEL = 0.95
@@ -130,8 +130,7 @@ def clustered_world(curves: dict[str, Callable[[float], float]], seed: int) -> C
     def measure_at(c: Contender, rate: float, draw: int) -> Sample:
         rng = np.random.default_rng([seed, draw, zlib.crc32(c.name.encode()), int(rate * 1000)])
         share = curves[c.name](rate)
-        beside = not c.is_default or rate_key(rate) != ceiling_rate(c, PLAN.step)
-        n = int(rate * PLAN.window_for(c.is_default, beside))
+        n = int(rate * PLAN.spec_at(c, rate).sustained_s)
         y = (markov_chain(rng, n, share, max(1.0, rate * EPISODE_S)) if 0 < share < 1
              else np.full(n, share >= 1))
         return Sample(rate, draw, tuple(block_counts(y, PLAN.spec.block_at(rate))))

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from engine.step_record import StepRecord, StepRecorder
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from policies import WorkloadSpec
 from tuner.trials.engine_handle import EngineError, EngineHandle, StepPage
 from tuner.trials.step_collector import StepCollector

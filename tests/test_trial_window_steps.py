@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from policies import WorkloadSpec
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.simulation.step_time_model import StepTimeModel

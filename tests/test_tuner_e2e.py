@@ -105,7 +105,7 @@ def test_tune_writes_a_servable_config_whose_p99_tbt_meets_the_slo(
                       "--engine-url", server.url, "--admin-token", "secret", "--out", "out2/tuned.yaml"], d)
         assert proc2.returncode == 1, proc2.stdout + proc2.stderr
         assert "Traceback" not in proc2.stderr
-        assert "no config met the SLO (tbt_p99 <= 1ms) in 1 trial at 1 req/s" in proc2.stderr
+        assert "no config met the SLO (p99 TBT <= 1ms) in 1 trial at 1 req/s" in proc2.stderr
         assert re.search(r"closest \(infeasible\): trial #\d .*p99 TBT \d+ms > 1ms", proc2.stderr), proc2.stderr
         assert not (d / "out2" / "tuned.yaml").exists() and (d / "out2" / "tuned.html").exists()
         assert handle.get_config() == served  # not --apply: the engine got its config back

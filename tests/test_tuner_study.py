@@ -20,7 +20,7 @@ from optuna.trial import TrialState
 
 import tuner.search.study
 from dashboards.study import load_study
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from policies import SAMPLERS, Policy, PruningSpec, load_policy
 from tests.test_measurement import ScriptedBackend
 from tuner.measure.capacity import CapacitySearcher

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from tuner.measure.dependence import block_counts
-from tuner.measure.verdict import (RATES_PER_CANDIDATE, Contender, Ratio, Sample, paired_verdict, pool_levels,
-                                   verdict_line)
+from tuner.measure.verdict import RATES_PER_CANDIDATE, Contender, Ratio, Sample, paired_verdict, pool_levels
+from tuner.measure.verdict_report import verdict_line
 
 
 def blocks(attaining: int, requests: int, size: int = 10) -> tuple[tuple[int, int], ...]:

@@ -11,6 +11,7 @@ import optuna
 import yaml
 
 from engine.knobs import KNOBS, short_label
+from slotune.slo import SLO
 from slotune.units import format_duration
 from tuner.search.study import feasible, measured
 
@@ -72,8 +73,7 @@ def write_tuned_yaml(path: Path, *, knobs: dict[str, Any], slo: dict[str, Any], 
     if capacity is not None:
         doc: dict[str, Any] = {
             "knobs": knobs, "slo": {k: v for k, v in slo.items() if v is not None},
-            "slo_text": ", ".join(f"{k} <= {format_duration(v)}" for k, v in slo.items() if v is not None),
-            "workload": workload, "objective": objective, "model": model,
+            "slo_text": SLO.from_dict(slo).words(), "workload": workload, "objective": objective, "model": model,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "study": {"name": study_name, "storage": storage, "trials": trials},
             **capacity, "evidence": evidence or {}, "vllm_serve": vllm, "report": str(report)}
@@ -83,7 +83,7 @@ def write_tuned_yaml(path: Path, *, knobs: dict[str, Any], slo: dict[str, Any], 
     doc = {
         "knobs": knobs,
         "slo": {k: v for k, v in slo.items() if v is not None},
-        "slo_text": ", ".join(f"{k} <= {format_duration(v)}" for k, v in slo.items() if v is not None),
+        "slo_text": SLO.from_dict(slo).words(),
         "workload": workload,
         "rate_rps": rate,
         "rate_reason": rate_reason,

@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING, Any
 import optuna
 
 from slotune.units import format_duration
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from tuner.measure.capacity import MIN_RATE, CapacitySearcher, Shown, capacity_searcher, measurement_spec
 from tuner.measure.floor import measure_floor
-from tuner.measure.measurement import Measurement, measure
+from tuner.measure.measurement import Measurement
 from tuner.output import short_knobs, write_report, write_tuned_yaml, write_vllm
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.search.confirmation import confirmed_rows
 from tuner.search.study import ROLE_DEFAULT, TrialReport, longest_trial_s, measured, run_trials, starts_in_time
 from tuner.trials.trial_runner import TrialRunner
-from tuner.measure.verdict import (DEFAULT, Contender, Sample, VerdictResult, ceiling_rate, first_rate,
-                                    paired_verdict, pool_levels, rate_key, verdict_line)
+from tuner.measure.verdict import DEFAULT, Contender, Sample, VerdictResult, first_rate, paired_verdict, pool_levels
+from tuner.measure.verdict_report import verdict_line
 from tuner.measure.verdict_plan import VerdictPlan, sample_of
 
 if TYPE_CHECKING:
@@ -192,17 +192,11 @@ class CapacityRun:
                              search_high=high(t), next_rate=first_rate(t.values[0], d.search_high, self.plan.step))
                    for i, t in enumerate(others)]
 
-    def beside(self, c: Contender, rate: float) -> bool:
-        """Whether ``c`` at ``rate`` is measured beside a candidate (the default at a candidate's rate)."""
-        return not c.is_default or ceiling_rate(c, self.plan.step) != rate_key(rate)
-
     def measure_at(self, c: Contender, rate: float, draw: int) -> Sample:
-        """One sustained measurement of the contender at ``rate`` on arrival draw ``draw`` (VerdictPlan)."""
-        folder = (self.s.trials_dir / "verdict" / f"draw-{draw}" / c.name.split(" (")[0].replace(" ", "-")
-                  / f"rate-{rate:.4g}")
-        spec = self.plan.spec_for(c.is_default, self.beside(c, rate))
-        say(f"  {c.name}, draw {draw}, {rate:.3g} req/s: one window of {format_duration(spec.sustained_s)} ...")
-        m = measure(self.runner, c.knobs, rate, folder, draw, spec)
+        """One sustained measurement of the contender at ``rate`` on arrival draw ``draw`` (VerdictPlan), its lines."""
+        say(f"  {c.name}, draw {draw}, {rate:.3g} req/s: one window of "
+            f"{format_duration(self.plan.spec_at(c, rate).sustained_s)} ...")
+        m = self.plan.measure(self.runner, c, rate, draw, self.s.trials_dir / "verdict")
         say(f"  {c.name}, draw {draw}, {rate:.3g} req/s: {m.describe()}")
         return sample_of(m, draw)
 
@@ -225,8 +219,7 @@ class CapacityRun:
         result = paired_verdict(default, candidates, self.measure_at, p.verdict.max_rounds, budget,
                                 p.measurement.level, step=self.plan.step, floor=MIN_RATE,
                                 first_draw=self.s.draws.verdict, on_round=self.round_line,
-                                cost=lambda plan: self.plan.round_s([(c.is_default, self.beside(c, r))
-                                                                     for c, r in plan]))
+                                cost=self.plan.round_cost)
         chosen, held = self.choose(result)
         return self.write(result, chosen, held)
 
@@ -293,7 +286,7 @@ class CapacityRun:
 
     def write(self, result: VerdictResult, chosen: Contender, held: bool) -> int:
         p, s = self.p, self.s
-        line = verdict_line(result, slo_words(p.slo.as_dict()))
+        line = verdict_line(result, p.slo.words())
         report = s.out.with_suffix(".html")
         vllm_path = s.out.with_suffix(".vllm.txt")
         vllm = write_vllm(vllm_path, chosen.knobs, self.model)
@@ -311,12 +304,6 @@ class CapacityRun:
         say(f"{PROG}: done in {format_duration(time.monotonic() - s.started)}")
         say(line)
         return 0
-
-
-def slo_words(slo: dict[str, float | None]) -> str:
-    """``p99 TBT <= 50ms and p99 TTFT <= 2s``."""
-    names = {"tbt_p99": "p99 TBT", "ttft_p99": "p99 TTFT", "e2e_p99": "p99 E2E"}
-    return " and ".join(f"{names[k]} <= {format_duration(v)}" for k, v in slo.items() if v is not None)
 
 
 def capacity_section(result: VerdictResult, chosen: Contender) -> dict[str, Any]:

@@ -210,7 +210,7 @@ class TuneSession:
         return choice.rate, choice.reason
 
     def slo_text(self) -> str:
-        return ", ".join(f"{k} <= {format_duration(v)}" for k, v in self.policy.slo.as_dict().items() if v is not None)
+        return self.policy.slo.words()
 
     @staticmethod
     def describe(o: TrialOutcome) -> str:

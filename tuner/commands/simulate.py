@@ -19,7 +19,7 @@ from typing import Any
 from engine.cli import add_knob_arguments, knobs_from_args
 from engine.config import ConfigError, EngineConfig
 from loadtest.config import OPTIONS, LoadConfig
-from loadtest.summary import SLO, format_summary_table
+from loadtest.summary import format_summary_table
 from tuner.simulation.profiles import limits_of, profile_path
 from tuner.simulation.step_time_model import ProfileError, StepTimeModel
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             return fail(str(error))
     for w in caught:
         print(f"slotune simulate: warning: {w.message}", file=sys.stderr)
-    slo = SLO(cfg.slo_p99_tbt, cfg.slo_p99_ttft, cfg.slo_p99_e2e)
+    slo = cfg.slo
     summary["profile"] = str(path)
     steps = result.step_dicts()
     reason = feasibility(summary, slo) if slo.tbt_p99 or slo.ttft_p99 or slo.e2e_p99 else None

@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 from slotune.units import format_duration
 from engine.knobs import KNOB_BY_NAME, KNOB_NAMES
-from policies import Policy, PolicyError, SLOTargets, load_policy
+from policies import Policy, PolicyError, load_policy
 from tuner.commands.flags import CliError, check_workload, duration_arg
 
 PROG = "slotune sweep"
@@ -156,7 +156,7 @@ def point_dir(knob: str, value: Any) -> str:
 
 def sweep_document(plan: SweepPlan) -> dict[str, Any]:
     """The sweep.json document (format slotune-sweep/1) of the points measured so far."""
-    slo: SLOTargets = plan.policy.slo
+    slo = plan.policy.slo
     return {"format": SWEEP_FORMAT, "knob": plan.knob, "values": plan.values, "fixed": plan.fixed,
             "workload": plan.policy.workload.name, "rate": plan.rate, "slo": slo.as_dict(),
             "simulated": plan.simulate, "duration": plan.policy.trial_duration, "warmup": plan.policy.warmup,
@@ -186,7 +186,7 @@ def engine_runner(plan: SweepPlan, engine: Any) -> Any:
 
 def simulator_runner(plan: SweepPlan) -> Any:
     """The simulator's SimTrialRunner (same run(knobs, out_dir) -> TrialOutcome), with the calibrated profile."""
-    from loadtest.summary import SLO
+    from slotune.slo import SLO
     from tuner.simulation.profiles import limits_of, profile_path
     from tuner.simulation.simulator_trial import SimTrialRunner
     from tuner.simulation.step_time_model import ProfileError, StepTimeModel

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.config import LoadConfig
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from policies import Policy, WorkloadSpec
 from tuner.control.guardrails import changed, move_policy, project, within
 from tuner.control.shape import Shape

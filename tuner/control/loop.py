@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from policies import Policy
 from tuner.control.canary import judge
 from tuner.control.candidates import Prediction, Search, search

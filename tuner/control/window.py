@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from tuner.control.sources import Scrape
 from tuner.measure.statistics import Interval, proportion_interval
 

@@ -35,7 +35,8 @@ from scipy import stats
 from tuner.measure.statistics import DEFAULT_LEVEL, Interval, quantile_ranks
 
 Block = tuple[int, int]  # (attaining, requests) of consecutive requests
-GRID = 2000  # the confidence sequence is evaluated on this many steps of [0, 1] (and at the target exactly)
+GRID = 2048  # the confidence sequence's ends are found to 1 / GRID of [0, 1] (and the target evaluated exactly) ...
+COARSE = 64  # ... from a first look at this many steps
 BET_CAP = 0.9  # the largest share of its capital a bet risks (Waudby-Smith and Ramdas truncate at 0.5-0.75; 0.9 shows a
 # share near 1 in ~15 % fewer blocks, and any cap below 1 keeps the level)
 
@@ -63,20 +64,8 @@ def _plug_in_bets(x: np.ndarray, alpha: float) -> np.ndarray:
     return np.sqrt(2 * math.log(2 / alpha) / (previous * t * np.log1p(t)))
 
 
-def mean_confidence_sequence(values: Sequence[float] | np.ndarray, level: float = DEFAULT_LEVEL,
-                             target: float | None = None) -> Interval:
-    """The mean of independent observations in [0, 1] with its confidence sequence after the last of them: the
-    intersection of the sequence's sets over every prefix, so that looking after each observation and stopping at the
-    first decision keeps ``level``. ``target`` is evaluated exactly (a bound equal to it is decided). [0, 1] for no
-    observations."""
-    x = np.clip(np.asarray(values, dtype=float), 0.0, 1.0)
-    if x.size == 0:
-        return Interval(math.nan, 0.0, 1.0, level, 0)
-    alpha = 1.0 - level
-    grid = np.linspace(0.0, 1.0, GRID + 1)
-    if target is not None:
-        grid = np.unique(np.append(grid, target))
-    bets = _plug_in_bets(x, alpha)[:, None]
+def _kept(x: np.ndarray, bets: np.ndarray, grid: np.ndarray, alpha: float) -> np.ndarray:
+    """Which candidate means in ``grid`` no look of the sequence excluded."""
     m = grid[None, :]
     with np.errstate(divide="ignore", invalid="ignore"):
         up = np.minimum(bets, np.where(m > 0, BET_CAP / m, np.inf))  # against means below the data
@@ -86,11 +75,36 @@ def mean_confidence_sequence(values: Sequence[float] | np.ndarray, level: float 
     # hedged capital: each side bets half, so a mean is excluded once either side's capital reaches 2 / alpha
     excluded = np.maximum(np.nan_to_num(log_up, nan=-np.inf), np.nan_to_num(log_down, nan=-np.inf)) >= math.log(
         2 / alpha)
-    kept = ~np.logical_or.accumulate(excluded, axis=0)[-1]  # excluded at any look stays excluded
-    if not kept.any():  # every mean excluded (cannot happen for data in [0, 1]; guard against rounding)
+    return ~excluded.any(axis=0)  # excluded at any look stays excluded
+
+
+def mean_confidence_sequence(values: Sequence[float] | np.ndarray, level: float = DEFAULT_LEVEL,
+                             target: float | None = None) -> Interval:
+    """The mean of independent observations in [0, 1] with its confidence sequence after the last of them: the
+    intersection of the sequence's sets over every prefix, so that looking after each observation and stopping at the
+    first decision keeps ``level``. Its ends are found to 1 / GRID: on a coarse grid first, then within the coarse
+    steps where they lie; ``target`` is evaluated exactly (a bound equal to it is decided). [0, 1] for no
+    observations."""
+    x = np.clip(np.asarray(values, dtype=float), 0.0, 1.0)
+    if x.size == 0:
+        return Interval(math.nan, 0.0, 1.0, level, 0)
+    alpha = 1.0 - level
+    bets = _plug_in_bets(x, alpha)[:, None]
+    coarse = np.linspace(0.0, 1.0, COARSE + 1)
+    kept = _kept(x, bets, coarse, alpha)
+    if not kept.any():  # every mean excluded between grid points (a very tight set): look closer around the data
+        coarse = np.linspace(max(0.0, x.mean() - 2 / COARSE), min(1.0, x.mean() + 2 / COARSE), COARSE + 1)
+        kept = _kept(x, bets, coarse, alpha)
+    if not kept.any():
         centre = float(x.mean())
         return Interval(centre, centre, centre, level, int(x.size))
-    inside = grid[kept]
+    first, last = int(np.argmax(kept)), int(len(kept) - 1 - np.argmax(kept[::-1]))
+    step = coarse[1] - coarse[0]
+    fine = np.concatenate([np.linspace(coarse[first] - step, coarse[first], GRID // COARSE + 1),
+                           np.linspace(coarse[last], coarse[last] + step, GRID // COARSE + 1),
+                           [] if target is None else [target]])
+    fine = fine[(fine >= 0.0) & (fine <= 1.0)]
+    inside = np.concatenate([fine[_kept(x, bets, fine, alpha)], coarse[kept]])
     return Interval(float(x.mean()), float(inside.min()), float(inside.max()), level, int(x.size))
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from loadtest.records import RequestRecord
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from tuner.trials.arrangement import Arrangement
 from tuner.measure.measurement import CONFIG_FAILURES, MACHINERY_FAILURES, MeasurementSpec, figures, segment_seed, \
     window_records

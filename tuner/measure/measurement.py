@@ -39,7 +39,8 @@ from typing import Any, Callable
 import numpy as np
 
 from loadtest.records import RequestRecord, read_records
-from loadtest.summary import SLO, attains, request_tbt_p99, token_gaps
+from slotune.slo import SLO
+from loadtest.summary import attains, request_tbt_p99, token_gaps
 from tuner.measure.dependence import Block, attainment_interval, block_counts, clustered_quantile_interval
 from tuner.measure.statistics import DEFAULT_LEVEL, Interval, Verdict, lower_verdict, upper_verdict
 from tuner.trials.trial_backend import TrialBackend

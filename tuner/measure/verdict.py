@@ -395,36 +395,3 @@ def paired_verdict(default: Contender, candidates: list[Contender], measure_at: 
     rounds = max(c.rounds for c in [default] + candidates)
     result.stopped = f"decided after {rounds} rounds" if decided else f"{max_rounds} rounds"
     return result
-
-
-def verdict_line(result: VerdictResult, slo_text: str) -> str:
-    """The last line of ``tune``: the tuned config's shown capacity, paired attainment against the default at its
-    rate, each bracket, and the ratio where shown bounds give one."""
-    note = (f"claims at {result.level:.0%} together, each candidate's pool at "
-            f"{result.look(result.candidates[0]) if result.candidates else result.level:.2%}, the default's at "
-            f"{result.look(result.default):.2%}; "
-            f"{max(c.rounds for c in [result.default] + result.candidates)} round(s) of fresh draws")
-    d = result.default.shown()
-    d_text = f"default {d.format()}"
-    w = result.winner
-    c = w if w is not None else result.best
-    if c is None:
-        return f"no candidate reached the verdict within {slo_text}: {d_text} ({result.stopped}; {note})"
-    mine = c.shown()
-    rate = mine.low if mine.low > 0 else (c.next_rate or max((p.rate for p in c.pools.values()), default=0.0))
-    diff = result.paired_difference(c, rate)
-    theirs = result.default.pool(rate)
-    paired = ""
-    if diff is not None and theirs is not None and theirs.requests:
-        own = c.pool(rate)
-        paired = (f"; at {rate:.3g} req/s on the same arrivals it attains "
-                  f"{own.attainment().value:.1%} against the default's {theirs.attainment().value:.1%} "
-                  f"({diff.format(' points', 100, 3)})" if own is not None else "")
-    ratio = result.ratio(c)
-    if w is not None:
-        return (f"tuned serves {mine.low:.3g} req/s within {slo_text} ({mine.format()}), {ratio.format()} the "
-                f"default's capacity{paired}; {d_text} ({note})")
-    served = f"serves {mine.low:.3g} req/s" if mine.low > 0 else "was not shown to serve a rate"
-    return (f"no config was shown to serve more than the default within {slo_text}: best candidate {served} "
-            f"({mine.format()}, {result.outcome(c)}){paired}; {d_text}; safest: {result.safest.name} "
-            f"({result.stopped}; {note})")

@@ -12,10 +12,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from pathlib import Path
+
 from policies import Policy
 from tuner.measure.capacity import measurement_spec
-from tuner.measure.measurement import Measurement, MeasurementSpec
-from tuner.measure.verdict import RATES_PER_CANDIDATE, Sample, pool_levels
+from tuner.measure.measurement import Measurement, MeasurementSpec, measure
+from tuner.measure.verdict import RATES_PER_CANDIDATE, Contender, Sample, ceiling_rate, pool_levels, rate_key
+from tuner.trials.trial_backend import TrialBackend
 
 SHOW_MARGIN = 1.25  # a candidate's window: this many times the blocks that show the share when every block attains
 
@@ -57,6 +60,24 @@ class VerdictPlan:
     @property
     def rates_per_candidate(self) -> int:
         return RATES_PER_CANDIDATE
+
+    def beside(self, c: Contender, rate: float) -> bool:
+        """Whether ``c`` at ``rate`` is measured beside a candidate (every measurement but the default's at its own
+        ceiling)."""
+        return not c.is_default or ceiling_rate(c, self.step) != rate_key(rate)
+
+    def spec_at(self, c: Contender, rate: float) -> MeasurementSpec:
+        return self.spec_for(c.is_default, self.beside(c, rate))
+
+    def measure(self, backend: TrialBackend, c: Contender, rate: float, draw: int, out_dir: Path) -> Measurement:
+        """One sustained verdict measurement of ``c`` at ``rate`` on arrival draw ``draw``, in
+        ``out_dir``/draw-D/NAME/rate-R."""
+        folder = Path(out_dir) / f"draw-{draw}" / c.name.split(" (")[0].replace(" ", "-") / f"rate-{rate:.4g}"
+        return measure(backend, c.knobs, rate, folder, draw, self.spec_at(c, rate))
+
+    def round_cost(self, plan: list[tuple[Contender, float]]) -> float:
+        """What a round of these measurements takes (paired_verdict's ``cost``)."""
+        return self.round_s([(c.is_default, self.beside(c, r)) for c, r in plan])
 
 
 def sample_of(m: Measurement, draw: int) -> Sample:

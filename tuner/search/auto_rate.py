@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from tuner.trials.trial_runner import TrialOutcome, TrialRunner
 
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 import optuna
 
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from policies import Choices, IntRange, Policy
 from tuner.search.objective import goodput, slo_constraints
 from tuner.search.study import TrialReport, enqueue_default, make_sampler, run_trials

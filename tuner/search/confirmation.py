@@ -27,7 +27,7 @@ import optuna
 
 from policies import Policy
 from loadtest.records import RequestRecord
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from tuner.measure.capacity import Capacity, Shown, capacity_searcher, measurement_spec
 from tuner.measure.measurement import TARGET_SHARE, figures, segment_seed, window_records
 from tuner.measure.statistics import DEFAULT_LEVEL

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import optuna
 
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from policies import Choices, IntRange, Policy
 from tuner.measure.capacity import Capacity, CapacitySearcher
 from tuner.trials.trial_backend import TrialBackend

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import optuna
 
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from policies import Policy
 from tuner.search.objective import goodput, suggest_knobs
 from tuner.output import short_knobs

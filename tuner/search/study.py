@@ -358,6 +358,6 @@ def study_name_for(policy: Policy, rate: float | None) -> str:
     wl = Path(policy.workload.name).stem
     r = "auto" if rate is None else f"{rate:g}rps"
     seed = f"-seed{policy.seed}" if policy.seed else ""
-    return (f"tune-{wl}-x{policy.workload.length_scale:g}-tbt{policy.slo.tbt_p99 * 1000:g}ms-{r}-{policy.objective}"
+    return (f"tune-{wl}-x{policy.workload.length_scale:g}-tbt{(policy.slo.tbt_p99 or 0) * 1000:g}ms-{r}-{policy.objective}"
             + seed)
 

@@ -34,7 +34,8 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.step_record import StepRecord
 from loadtest.records import RequestRecord
-from loadtest.summary import SLO, summarize
+from slotune.slo import SLO
+from loadtest.summary import summarize
 from loadtest.tokens import UNIQUE, PromptBuilder, TokenSpace
 from loadtest.workloads import RequestSpec
 from tuner.simulation.step_time_model import StepFn
@@ -349,7 +350,7 @@ def simulate_load(cfg: Any, knobs: dict[str, Any], timer: StepTimer, *, limits: 
     options = SimOptions(drain_timeout=cfg.drain_timeout, request_timeout=cfg.request_timeout, t0=t0, seed=cfg.seed)
     result = simulate(requests, config, timer, limits=limits, options=options,
                       token_space=TokenSpace.parse_range(cfg.token_range, cfg.seed))
-    slo = slo or SLO(cfg.slo_p99_tbt, cfg.slo_p99_ttft, cfg.slo_p99_e2e)
+    slo = slo or cfg.slo
     meta = {**schedule.meta, "url": None, "simulated": True, "start_time": result.t0,
             "simulation_wall_s": result.wall_s, "knobs": config.knobs()}
     if result.out_of_range:

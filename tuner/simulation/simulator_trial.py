@@ -15,7 +15,8 @@ from typing import Any
 from engine.config import ConfigError, EngineConfig, ModelLimits
 from loadtest.config import LoadConfig
 from loadtest.records import write_records
-from loadtest.summary import SLO, write_summary
+from slotune.slo import SLO
+from loadtest.summary import write_summary
 from policies import WorkloadSpec
 from tuner.simulation.simulator import DEFAULT_LIMITS, SimResult, StepTimer, simulate_load
 from tuner.measure.step_stats import step_stats, window_steps

@@ -4,16 +4,17 @@
 On a 2-core machine one busy process elsewhere takes a core from the engine or the load generator, and a config
 measured then misses for a reason that is not its own. So a trial records the CPU other processes took, and one
 where they took more than ``BUSY_CORES`` on average is a failure of the measuring machinery (its reason starts
-"the machine was busy"): the measurement runs it again, and never counts it as the config's miss. Where the engine
-is not this tuner's own (``--engine-url``), its CPU time is not told apart from the rest: the figure is recorded
-but does not void the trial.
+"the machine was busy"): the measurement runs it again, and never counts it as the config's miss. An engine this
+tuner did not start (``--engine-url`` on this machine) counts as its own when the process serving its port is
+found; where it cannot be told apart from the rest, the figure is recorded but does not void the trial.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
 import psutil
 
@@ -27,34 +28,79 @@ def _busy_seconds() -> float:
     return sum(float(getattr(t, name, 0.0)) for name in ("user", "nice", "system", "irq", "softirq", "steal"))
 
 
-def own_cpu_seconds() -> float:
-    """CPU seconds of this process, its children that ended (and theirs), and its living descendants."""
+def own_cpu_seconds(also: tuple[int, ...] = ()) -> float:
+    """CPU seconds of this process, its children that ended (and theirs), its living descendants, and the processes
+    ``also`` (with theirs) where they are not among them."""
     me = psutil.Process(os.getpid())
-    total = sum(me.cpu_times()[:4])  # user, system, children_user, children_system
-    for child in me.children(recursive=True):
+    tree = {me.pid: me}
+    for root in [me] + [p for p in _processes(also) if p.pid not in tree]:
+        tree[root.pid] = root
+        for child in _children(root):
+            tree.setdefault(child.pid, child)
+    total = 0.0
+    for proc in tree.values():
         try:
-            total += sum(child.cpu_times()[:4])
+            total += sum(proc.cpu_times()[:4])  # user, system, children_user, children_system
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass  # ended between the listing and the read: its time is in its parent's children fields
     return total
+
+
+def _processes(pids: tuple[int, ...]) -> list[psutil.Process]:
+    out = []
+    for pid in pids:
+        try:
+            out.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    return out
+
+
+def _children(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        return proc.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1")
+
+
+def is_local(url: str) -> bool:
+    return urlparse(url).hostname in LOCAL_HOSTS
+
+
+def serving_pid(url: str) -> int | None:
+    """The process listening on ``url``'s port when its host is this machine (None: remote, or not found)."""
+    parsed = urlparse(url)
+    if not is_local(url) or parsed.port is None:
+        return None
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == parsed.port and conn.pid:
+                return int(conn.pid)
+    except (psutil.Error, OSError):
+        return None
+    return None
 
 
 @dataclass
 class HostLoad:
     """Other processes' CPU over an interval: ``start()``, then ``stop()`` -> their average cores."""
 
-    judged: bool = True  # False where the engine is not a descendant of this process (its CPU would count as other)
+    judged: bool = True  # False where the engine's CPU could not be told apart from other processes'
+    also: tuple[int, ...] = field(default_factory=tuple)  # processes counted as this tuner's own (an engine it found)
     _busy: float = 0.0
     _own: float = 0.0
     _wall: float = 0.0
 
     def start(self) -> HostLoad:
-        self._busy, self._own, self._wall = _busy_seconds(), own_cpu_seconds(), time.monotonic()
+        self._busy, self._own, self._wall = _busy_seconds(), own_cpu_seconds(self.also), time.monotonic()
         return self
 
     def stop(self) -> dict[str, float | bool]:
         wall = max(1e-6, time.monotonic() - self._wall)
-        other = max(0.0, (_busy_seconds() - self._busy) - (own_cpu_seconds() - self._own))
+        other = max(0.0, (_busy_seconds() - self._busy) - (own_cpu_seconds(self.also) - self._own))
         return {"other_cores": round(other / wall, 3), "other_cpu_s": round(other, 2), "seconds": round(wall, 1),
                 "cores": psutil.cpu_count() or 1, "judged": self.judged}
 

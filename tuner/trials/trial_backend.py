@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from loadtest.config import LoadConfig
-from loadtest.summary import SLO
+from slotune.slo import SLO
 from loadtest.workloads import is_trace
 from policies import WorkloadSpec
 
 
 class TrialBackend(Protocol):
-    slo: Any  # an SLO once constructed (TrialRunner accepts the policy's SLOTargets and converts)
+    slo: Any  # an SLO once constructed (TrialRunner also takes its as_dict() form)
     simulated: bool
 
     def run(self, knobs: dict[str, Any], out_dir: Path, rate: float | None = None, seed: int | None = None, *,
@@ -45,6 +45,5 @@ def load_config_for(workload: WorkloadSpec, slo: SLO, rate: float, duration: flo
     return LoadConfig(workload=workload.name, rate=rate, duration=duration, length_scale=workload.length_scale,
                       time_scale=workload.time_scale, max_context=workload.max_context,
                       trace_offset=workload.trace_offset, trace_segment_seed=seed if is_trace(workload.name) else None,
-                      seed=seed, slo_p99_tbt=slo.tbt_p99,
-                      slo_p99_ttft=slo.ttft_p99, slo_p99_e2e=slo.e2e_p99, drain_timeout=drain_timeout,
+                      seed=seed, slo=slo, drain_timeout=drain_timeout,
                       request_timeout=max(30.0, drain_timeout), out=out, **extra)

@@ -35,10 +35,11 @@ import psutil
 
 from loadtest.config import LoadConfig
 from loadtest.runner import LOCUSTFILE, LoadTestError, run_loadtest
-from loadtest.summary import SLO, summarize, write_summary
-from policies import PruningSpec, SLOTargets, WorkloadSpec
+from slotune.slo import SLO
+from loadtest.summary import summarize, write_summary
+from policies import PruningSpec, WorkloadSpec
 from tuner.trials.engine_handle import ConfigRejected, EngineError, EngineHandle, ManagedEngine
-from tuner.trials.host_load import HostLoad, busy_reason
+from tuner.trials.host_load import HostLoad, busy_reason, is_local, serving_pid
 from tuner.trials.step_collector import STEP_POLL_S, StepCollector
 from tuner.trials.pruning import PruneWatcher, itl_buckets
 from tuner.measure.step_stats import step_stats, window_steps
@@ -71,11 +72,8 @@ class TrialOutcome:
     rate: float | None = None
 
 
-def _slo(slo: SLOTargets | SLO | dict[str, Any]) -> SLO:
-    if isinstance(slo, SLO):
-        return slo
-    d = slo.as_dict() if isinstance(slo, SLOTargets) else dict(slo)
-    return SLO(d.get("tbt_p99"), d.get("ttft_p99"), d.get("e2e_p99"))
+def _slo(slo: SLO | dict[str, Any]) -> SLO:
+    return slo if isinstance(slo, SLO) else SLO.from_dict(slo)
 
 
 def feasibility(summary: dict[str, Any], slo: SLO) -> str | None:
@@ -104,7 +102,7 @@ class TrialRunner:
     rate: float = 1.0
     duration: float = 20.0
     warmup: float = 3.0
-    slo: SLOTargets | SLO | dict[str, Any] = field(default_factory=lambda: SLO(tbt_p99=0.05))
+    slo: SLO | dict[str, Any] = field(default_factory=lambda: SLO(tbt_p99=0.05))
     pruning: PruningSpec | None = None
     seed: int = 0
     drain_timeout: float = 10.0
@@ -190,7 +188,7 @@ class TrialRunner:
                            if prune and self.pruning is not None and self.pruning.enabled and self.slo.tbt_p99
                            else None)
         load_error = None
-        host = HostLoad(judged=isinstance(self.engine, ManagedEngine)).start()
+        host = self._host_load().start()
         try:
             run_summary = run_loadtest(cfg, on_progress=watch, realtime=self.realtime, cpus=self.generator_cpus,
                                        timeout=60.0 + cfg.duration + self.drain_timeout + 30.0)
@@ -214,6 +212,15 @@ class TrialRunner:
         if run_summary is None:
             return self._fail(knobs, out_dir, rate, f"load test failed: {load_error}")
         return self._measure(knobs, out_dir, rate, cfg, run_summary, watch, itl_end, duration)
+
+    def _host_load(self) -> HostLoad:
+        """Other processes' CPU during the load test, this tuner's engine counted as its own: a child when tune
+        started it, else the process serving its URL's port on this machine (not judged where none is found
+        there; a remote engine's CPU is not this machine's)."""
+        if isinstance(self.engine, ManagedEngine):
+            return HostLoad()
+        pid = serving_pid(self.handle.url)
+        return HostLoad(judged=pid is not None or not is_local(self.handle.url), also=(pid,) if pid is not None else ())
 
     def _apply(self, knobs: dict[str, Any]) -> tuple[dict[str, Any], int]:
         """Apply ``knobs`` to the idle engine from a cleared prefix cache; returns the knobs as applied and the
