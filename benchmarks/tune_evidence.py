@@ -12,6 +12,11 @@
         The one-knob baselines: the default config with only chunk_size changed (16 and 32), each searched as tune
         searches the default, then tune's verdict of the tuned config against it (seed BASELINE_SEED): the gain over
         a small chunk, with its interval.
+    python benchmarks/tune_evidence.py simulated --out docs/benchmarks/tune-simulated.json
+        tune's whole flow with the simulator standing in for the engine (the step-time profile shipped for this
+        CPU), once per seed of SIM_SEEDS: every claim its verdict made (a pool shown served or missed) checked
+        against the config's attainment over TRUTH_S simulated seconds at that rate on another arrival draw (the
+        truth the claim is about); how often the claims are wrong, the runs' tuned brackets, their winners.
     python benchmarks/tune_evidence.py versus --workload azure --trace TRACES/azure2023/AzureLLMInferenceTrace_conv.csv \\
             --out docs/benchmarks/tune-vs-default-azure.json
         One `tune` run on a workload (Azure: the conversation trace, lengths x1/16, clipped to 2,048 tokens).
@@ -54,6 +59,9 @@ AZURE_LENGTH_SCALE = 0.0625
 RUN_SEEDS = (11, 12, 13)  # the reproducibility runs' --seed
 INDEPENDENT_SEED = 777001  # the independent checks' arrival seed: no run's (theirs are draw * 1000 + window, draw < 1400)
 BASELINE_SEED = 14  # the one-knob baselines' searches and verdicts
+SIM_SEEDS = tuple(range(21, 41))  # the simulated runs' seeds
+TRUTH_SEED = 4321  # the simulated truth's arrival draw (no run's)
+TRUTH_S = 1200.0  # simulated seconds of the truth at each claimed rate
 CHECK_S = 300.0  # seconds of one independent check's sustained window
 
 
@@ -193,6 +201,83 @@ def measure_in(plan: VerdictPlan, runner: TrialRunner, folder: Path) -> Any:
     return measure_at
 
 
+def simulated(out: Path, seeds: tuple[int, ...]) -> dict[str, Any]:
+    """tune's flow on the simulator, once per seed, its claims against the simulator's long runs."""
+    import contextlib
+    import io
+    import warnings
+
+    import optuna
+
+    from tuner.commands.capacity_run import CapacityRun
+    from tuner.commands.session import TuneSession
+    from tuner.commands.tune import build_parser
+    from tuner.search.study import enqueue_default, open_storage, open_study
+    from tuner.simulation.profiles import limits_of, profile_path
+    from tuner.simulation.simulator_trial import SimTrialRunner
+    from tuner.simulation.step_time_model import StepTimeModel
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.simplefilter("ignore")
+    model = StepTimeModel.load(profile_path(None))
+    base = out.with_suffix("")
+    runs = []
+    for seed in seeds:
+        folder = base / f"seed-{seed}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        policy = load_policy().replace(seed=seed)
+        args = build_parser().parse_args(["--out", str(folder / "tuned.yaml")])
+        storage = open_storage(f"sqlite:///{folder}/study.db")
+        session = TuneSession(args, policy, storage, None)
+        sim = SimTrialRunner(model, limits=limits_of(model), workload=policy.workload,
+                             duration=policy.trial_duration, warmup=policy.warmup, slo=policy.slo, seed=seed)
+        study = open_study(storage, session.study_name, policy)
+        enqueue_default(study)
+        t0 = time.monotonic()
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            rc = CapacityRun(session, sim, study, "sim").run()
+        (folder / "tune.log").write_text(log.getvalue())
+        run = {"seed": seed, "rc": rc, "seconds": time.monotonic() - t0,
+               "last_line": (log.getvalue().strip().splitlines() or [""])[-1]} | read_run(folder)
+        run["claims"] = checked_claims(folder, sim, policy)
+        runs.append(run)
+        wrong = sum(not c["true"] for c in run["claims"])
+        print(f"seed {seed}: {len(run['claims'])} claims, {wrong} wrong: {run['last_line'][:160]}", flush=True)
+    claims = [c for r in runs for c in r["claims"]]
+    brackets = [shown(r.get("tuned")) for r in runs]
+    return {"runs": runs, "profile": str(profile_path(None)), "claims": len(claims),
+            "wrong_claims": sum(not c["true"] for c in claims),
+            "wrong_served": sum(not c["true"] for c in claims if c["shown"] == "met"),
+            "wrong_missed": sum(not c["true"] for c in claims if c["shown"] == "missed"),
+            "winners": sum(r.get("winner") is not None for r in runs),
+            "wrong_winners": sum(any(not c["true"] for c in r["claims"] if c["role"] in ("winner", "default"))
+                                 for r in runs if r.get("winner") is not None),
+            "tuned_brackets_overlap": all(overlap(a, b) for a in brackets for b in brackets),
+            "truth_seed": TRUTH_SEED, "truth_s": TRUTH_S}
+
+
+def checked_claims(folder: Path, sim: Any, policy: Any) -> list[dict[str, Any]]:
+    """Every pool the verdict decided, with the config's long-run attainment at its rate (the truth)."""
+    doc = yaml.safe_load((folder / "tuned.yaml").read_text())
+    verdict = (doc.get("evidence") or {}).get("verdict") or {}
+    winner = verdict.get("winner")
+    out = []
+    for c in [verdict.get("default") or {}] + list(verdict.get("candidates") or []):
+        role = "default" if c is verdict.get("default") else "winner" if c.get("outcome") == "better" and winner \
+            else "candidate"
+        for pool in c.get("pools") or []:
+            if pool["verdict"] == "undecided":
+                continue
+            o = sim.run(c["knobs"], folder / "truth" / f"{role}-{pool['rate']:.4g}", rate=pool["rate"],
+                        seed=TRUTH_SEED, duration=TRUTH_S)
+            truth = float(o.summary["attainment"])
+            out.append({"role": role, "knobs": c["knobs"], "rate": pool["rate"], "shown": pool["verdict"],
+                        "truth": truth, "true": (truth >= 0.9) == (pool["verdict"] == "met")})
+    return out
+
+
 def versus(out: Path, workload: str, trace: Path | None) -> dict[str, Any]:
     if workload != "mixed" and (trace is None or not trace.is_file()):
         raise SystemExit(f"--workload azure needs --trace FILE (the Azure conversation trace CSV); got {trace}")
@@ -208,7 +293,7 @@ def versus(out: Path, workload: str, trace: Path | None) -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("reproducibility", "baseline", "versus"))
+    p.add_argument("what", choices=("reproducibility", "baseline", "simulated", "versus"))
     p.add_argument("--workload", choices=("mixed", "azure"), default="mixed")
     p.add_argument("--trace", type=Path, help="the Azure conversation trace (AzureLLMInferenceTrace_conv.csv)")
     p.add_argument("--tuned", type=Path, help="baseline: the tuned.yaml whose config is compared with the baselines")
@@ -220,7 +305,8 @@ def main() -> int:
     if a.what == "baseline" and (a.tuned is None or not a.tuned.is_file()):
         raise SystemExit(f"baseline needs --tuned FILE (a tuned.yaml); got {a.tuned}")
     result = (reproducibility(out) if a.what == "reproducibility" else
-              baseline(out, a.tuned, a.chunks) if a.what == "baseline" else versus(out, a.workload, a.trace))
+              baseline(out, a.tuned, a.chunks) if a.what == "baseline" else
+              simulated(out, SIM_SEEDS) if a.what == "simulated" else versus(out, a.workload, a.trace))
     result.update(cpu=cpu_name(), cores=os.cpu_count(), date=time.strftime("%Y-%m-%dT%H:%M:%S"))
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     for r in result.get("runs") or ([result] if a.what == "versus" else []):
@@ -228,6 +314,10 @@ def main() -> int:
     for c in result.get("independent_checks", []):
         print(f"run {c['run']}: " + "; ".join(f"{k} at {v['rate']:.3g} req/s {v['describe']}" for k, v in c.items()
                                              if isinstance(v, dict)))
+    if "wrong_claims" in result:
+        print(f"{result['claims']} claims, {result['wrong_claims']} wrong ({result['wrong_served']} served, "
+              f"{result['wrong_missed']} missed); {result['winners']} winners, {result['wrong_winners']} resting on a "
+              f"wrong claim")
     if "tuned_brackets_overlap" in result:
         print(f"tuned brackets overlap: {result['tuned_brackets_overlap']}; winners: {result['winners']}")
     print(f"wrote {out} ({result['cpu']})")

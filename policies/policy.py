@@ -191,6 +191,7 @@ class MeasurementPolicy:
     cap: float = 60.0        # seconds of measurement windows at most (>= trial_duration)
     block: float = 3.0       # seconds of arrivals per block, the unit of an attainment's evidence (> 0): longer than
                              # a queue episode (tuner/measure/dependence.py)
+    busy: float | None = 0.25  # cores other processes may take during a window before it is void (None: not judged)
 
 
 @dataclass(frozen=True)

@@ -242,6 +242,7 @@ class MeasurementDoc(Doc):
     min_gaps: int = Field(400, ge=1)
     cap: PositiveSeconds = 60.0
     block: PositiveSeconds = 3.0
+    busy: float | None = Field(0.25, gt=0)  # cores; null: other processes' CPU is recorded, not judged
 
 
 class CapacityDoc(Doc):

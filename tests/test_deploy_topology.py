@@ -188,6 +188,7 @@ trial_duration: 2s
 warmup: 1s
 workload: {name: mixed, length_scale: 0.125}
 rate: 1.0
+measurement: {busy: null}  # both tune processes share this one machine: each other's engine and load are recorded
 """
 
 

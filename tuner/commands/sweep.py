@@ -181,7 +181,7 @@ def engine_runner(plan: SweepPlan, engine: Any) -> Any:
 
     p = plan.policy
     return TrialRunner(engine, workload=p.workload, rate=plan.rate, duration=p.trial_duration, warmup=p.warmup,
-                       slo=p.slo, seed=p.seed)
+                       slo=p.slo, seed=p.seed, busy_cores=p.measurement.busy)
 
 
 def simulator_runner(plan: SweepPlan) -> Any:

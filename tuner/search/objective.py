@@ -13,6 +13,7 @@ import optuna
 from slotune.slo import SLO
 from policies import Choices, IntRange, Policy
 from tuner.measure.capacity import Capacity, CapacitySearcher
+from tuner.measure.measurement import MACHINERY_RETRIES, machinery_failure
 from tuner.trials.trial_backend import TrialBackend
 from tuner.trials.trial_runner import TrialOutcome, TrialRunner
 
@@ -81,7 +82,12 @@ class Evaluation:
 
 def evaluate_goodput(runner: TrialRunner | TrialBackend, knobs: dict[str, Any], out_dir: Path,
                      prune: bool = True) -> Evaluation:
-    o = runner.run(knobs, out_dir, prune=prune) if isinstance(runner, TrialRunner) else runner.run(knobs, out_dir)
+    """One window at the runner's rate; a window whose measuring machinery failed (a busy machine, a failed load
+    test) is run again, as a measurement's is: it says nothing about the config."""
+    for _ in range(1 + MACHINERY_RETRIES):
+        o = runner.run(knobs, out_dir, prune=prune) if isinstance(runner, TrialRunner) else runner.run(knobs, out_dir)
+        if not machinery_failure(o):
+            break
     assert isinstance(runner.slo, SLO)
     return Evaluation(o, goodput(o), slo_constraints(o, runner.slo), [])
 

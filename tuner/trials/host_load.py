@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 import psutil
 
 BUSY_CORES = 0.25  # other processes' average CPU (cores) above which a window measured the machine, not the config
+# (the policy's measurement.busy; its default)
 BUSY_REASON = "the machine was busy"
 
 
@@ -105,10 +106,10 @@ class HostLoad:
                 "cores": psutil.cpu_count() or 1, "judged": self.judged}
 
 
-def busy_reason(host: dict[str, float | bool]) -> str | None:
-    """Why a window measured the machine rather than the config (None: it did not)."""
+def busy_reason(host: dict[str, float | bool], busy: float | None = BUSY_CORES) -> str | None:
+    """Why a window measured the machine rather than the config (None: it did not, or ``busy`` is None)."""
     cores = float(host.get("other_cores", 0.0))
-    if not host.get("judged") or cores <= BUSY_CORES:
+    if busy is None or not host.get("judged") or cores <= busy:
         return None
     return (f"{BUSY_REASON}: other processes took {cores:.2f} cores on average during the load test "
             f"({float(host.get('other_cpu_s', 0.0)):.0f} CPU s in {float(host.get('seconds', 0.0)):.0f} s)")

@@ -39,7 +39,7 @@ from slotune.slo import SLO
 from loadtest.summary import summarize, write_summary
 from policies import PruningSpec, WorkloadSpec
 from tuner.trials.engine_handle import ConfigRejected, EngineError, EngineHandle, ManagedEngine
-from tuner.trials.host_load import HostLoad, busy_reason, is_local, serving_pid
+from tuner.trials.host_load import BUSY_CORES, HostLoad, busy_reason, is_local, serving_pid
 from tuner.trials.step_collector import STEP_POLL_S, StepCollector
 from tuner.trials.pruning import PruneWatcher, itl_buckets
 from tuner.measure.step_stats import step_stats, window_steps
@@ -112,6 +112,7 @@ class TrialRunner:
     base_knobs: dict[str, Any] | None = None  # the config a trial's knobs are laid over (default: the engine's now)
     step_poll_s: float | None = STEP_POLL_S  # read the step records this often during the load test (None: after it)
     on_progress: Callable[[dict[str, Any]], None] | None = None
+    busy_cores: float | None = BUSY_CORES  # other processes' CPU that voids a window (None: recorded, not judged)
 
     def __post_init__(self) -> None:
         if isinstance(self.workload, str):
@@ -267,7 +268,7 @@ class TrialRunner:
             for r in steps:
                 f.write(json.dumps(r) + "\n")
         stats = step_stats(steps, dropped=watch.collector.dropped_in(start, end_s))
-        busy = busy_reason(watch.host)
+        busy = busy_reason(watch.host, self.busy_cores)
         if busy is not None:  # the window measured the machine, not the config
             return TrialOutcome(knobs, summary, stats, False, busy, out_dir, rate=rate)
         if watch.watcher is not None and watch.watcher.reason:
