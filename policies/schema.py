@@ -210,8 +210,7 @@ else:
 
 
 def _slo(value: Any) -> SLO:
-    """The ``slo`` section as the one SLO record (slotune/slo.py): tbt_p99 required, the others optional, each a
-    positive duration."""
+    """The ``slo`` section as the one SLO record: tbt_p99 required, the others optional, each a positive duration."""
     if not isinstance(value, dict):
         raise ValueError(f"must be a mapping of targets ({', '.join(SLO_NAMES)}), got {type(value).__name__}")
     for key in value:

@@ -88,13 +88,11 @@ def test_a_served_rate_is_shown_served_once_its_windows_hold_enough_blocks(tmp_p
 
 def test_an_attainment_at_the_edge_stops_undecided_once_neither_verdict_is_within_reach(tmp_path: Path) -> None:
     # 10 % stutter: attainment ~90 %, right at the target share: the measurement gives up early, as undecided
-    # (never met or missed), and says why; at the cap the same share is undecided too
+    # (never met or missed), and says why
     m, _ = run_measurement(0.1, tmp_path, segments=8, block_s=1.5)
     assert 1 <= len(m.segments) < 8
     assert m.figures is not None and m.figures.attainment.low < 0.9 < m.figures.attainment.high
     assert m.verdict == "undecided" and "undecided" in m.describe() and "within reach" in m.stopped
-    full, _ = run_measurement(0.1, tmp_path / "full", segments=len(m.segments), block_s=1.5)
-    assert full.verdict == "undecided"
 
 
 def test_the_futility_rule_gives_up_only_where_the_cap_could_not_decide() -> None:

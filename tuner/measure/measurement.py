@@ -118,6 +118,7 @@ def figures(windows: list[list[RequestRecord]], slo: SLO, spec: MeasurementSpec 
     """The intervals and verdicts of the records of one or more windows at ``rate`` (each window's requests in send
     order, cut into blocks of ``spec.block_at(rate)``; no block spans two windows)."""
     block = spec.block_at(rate)
+    rest = replace(slo, tbt_p99=None)  # the targets besides TBT (a request's own p99 gap is judged once, below)
     ordered = [sorted(w, key=lambda r: r.scheduled_at) for w in windows]
     records = [r for w in ordered for r in w]
     blocks: list[Block] = []
@@ -127,7 +128,7 @@ def figures(windows: list[list[RequestRecord]], slo: SLO, spec: MeasurementSpec 
     gap_cluster: list[np.ndarray] = []
     for w in ordered:
         tbt_ok = [r.status == "ok" and (slo.tbt_p99 is None or request_tbt_p99(r) <= slo.tbt_p99) for r in w]
-        outcomes = [ok and attains(r, replace(slo, tbt_p99=None)) for r, ok in zip(w, tbt_ok)]
+        outcomes = [ok and attains(r, rest) for r, ok in zip(w, tbt_ok)]
         first = len(blocks)
         blocks += block_counts(outcomes, block)
         tbt_blocks += block_counts(tbt_ok, block)

@@ -18,9 +18,8 @@ every round costs nothing. The searches' probes are not pooled in (they ran in w
 verdict in sustained ones, and the candidates were picked for how their searches went).
 
 **Where it measures.** Each round, on a fresh arrival draw shared by every config: the candidate at its planned rate
-(one step below its searched capacity; a step lower when its pool there is shown missed or cannot be shown served by
-another round), the default at the same rate on the same arrivals (paired), and the default at its own searched
-ceiling (the lowest rate its search read below the target share), where a miss gives the ratio a multiple.
+(:func:`first_rate`, then :func:`plan_next`: two rates at most), the default at the same rate on the same arrivals
+(paired), and the default at its own ceiling (:func:`ceiling_rate`), where a miss gives the ratio a multiple.
 
 **What it reports.** The headline is paired attainment at the candidate's rate: the two configs on the same arrivals,
 block by block, the confidence sequence of their difference (:meth:`VerdictResult.paired_difference`). Beside it
