@@ -318,6 +318,7 @@ def main() -> int:
     p.add_argument("--slo", nargs=2, metavar=("TBT", "TTFT"),
                    help="reproducibility: the targets instead of the README's 50ms (on a machine whose floor is above "
                    "it; the runs then take SLOW_MACHINE_SEEDS), e.g. --slo 300ms 5s")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(SIM_SEEDS), help="simulated: the runs' seeds")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     out = Path(a.out).resolve()
@@ -327,7 +328,7 @@ def main() -> int:
     extra = ["--slo-p99-tbt", a.slo[0], "--slo-p99-ttft", a.slo[1]] if a.slo else []
     result = (reproducibility(out, extra, SLOW_MACHINE_SEEDS if a.slo else RUN_SEEDS) if a.what == "reproducibility" else
               baseline(out, a.tuned, a.chunks, a.simulated) if a.what == "baseline" else
-              simulated(out, SIM_SEEDS) if a.what == "simulated" else versus(out, a.workload, a.trace))
+              simulated(out, tuple(a.seeds)) if a.what == "simulated" else versus(out, a.workload, a.trace))
     result.update(cpu=cpu_name(), cores=os.cpu_count(), date=time.strftime("%Y-%m-%dT%H:%M:%S"))
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     for r in result.get("runs") or ([result] if a.what == "versus" else []):

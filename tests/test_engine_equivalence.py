@@ -43,7 +43,8 @@ def test_chunked_prefill_matches_transformers(mixed_prompts, reference_outputs, 
     assert any(r.num_prefill_tokens and r.num_decode_tokens for r in records)
 
 
-@pytest.mark.parametrize("block_size", [1, 16, 32])
+# 16, the engine's default, is the block size of every other test here
+@pytest.mark.parametrize("block_size", [1, 32])
 def test_block_sizes_match_transformers(mixed_prompts, reference_outputs, block_size) -> None:
     _, got = run(mixed_prompts, block_size=block_size)
     assert_same(got, reference_outputs)

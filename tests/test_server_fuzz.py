@@ -15,7 +15,7 @@ from server_helpers import InProcessServer
 TOKEN = "fuzz-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 ALLOWED = {200, 400, 404, 413, 422, 429}
-FUZZ = settings(max_examples=60, deadline=None, database=None,
+FUZZ = settings(max_examples=40, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 

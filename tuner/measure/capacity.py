@@ -60,7 +60,7 @@ class Shown:
         """``shown at 95%: served 4.2 req/s, missed 8 req/s`` (an open end says so: ``served no rate``)."""
         served = f"{self.low:.3g} req/s" if self.low > 0 else "no rate"
         missed = f"{self.high:.3g} req/s" if math.isfinite(self.high) else "no rate"
-        text = f"shown at {self.level:.0%}: served {served}, missed {missed}"
+        text = f"shown at {self.level * 100:.4g}%: served {served}, missed {missed}"
         if self.contradictions:
             text += " (contradictory: " + ", ".join(f"served {s:.3g} but missed {m:.3g}"
                                                      for s, m in self.contradictions) + ")"
