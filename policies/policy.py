@@ -3,12 +3,15 @@ the trial count and durations, the workload and the offered rate. Loaded from YA
 ``policies.schema`` (pydantic, derived from the engine's knob table); every error names the field
 (``search_space.max_num_seqs.low: ...``).
 
-The shipped default is ``policies/default.yaml`` (package data: :func:`default_policy_path`).
+The shipped default is ``policies/default.yaml`` (package data: :func:`default_policy_path`), the one home of every
+default: a policy file is read over it (:func:`with_shipped_defaults`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from importlib import resources
@@ -19,7 +22,7 @@ import yaml
 
 from engine.knobs import KNOB_BY_NAME
 from slotune.slo import SLO
-from policies.control import ControlSpec, parse_control
+from policies.control import CONTROL_SECTIONS, ControlSpec, parse_control
 from policies.schema import Objective, PolicyDoc, PolicyError, Sampler, Start, validate_document
 
 SAMPLERS: tuple[str, ...] = get_args(Sampler)
@@ -186,53 +189,53 @@ class MeasurementPolicy:
     """How one measurement of a config at a rate is sized (tuner/measure/measurement.py): windows of ``trial_duration``
     until its figures are decided at ``level``, at most ``cap`` seconds of windows."""
 
-    level: float = 0.95      # two-sided confidence level of every interval, in (0.5, 1)
-    min_gaps: int = 400      # a p99 TBT is judged only from this many pooled gaps on (>= 1)
-    cap: float = 60.0        # seconds of measurement windows at most (>= trial_duration)
-    block: float = 3.0       # seconds of arrivals per block, the unit of an attainment's evidence (> 0): longer than
-                             # a queue episode (tuner/measure/dependence.py)
-    busy: float | None = 0.25  # cores other processes may take during a window before it is void (None: not judged)
+    level: float      # two-sided confidence level of every interval, in (0.5, 1)
+    min_gaps: int     # a p99 TBT is judged only from this many pooled gaps on (>= 1)
+    cap: float        # seconds of measurement windows at most (>= trial_duration)
+    block: float      # seconds of arrivals per block, the unit of an attainment's evidence (> 0): longer than a
+                      # queue episode (tuner/measure/dependence.py)
+    busy: float | None  # cores other processes may take during a window before it is void (None: not judged)
 
 
 @dataclass(frozen=True)
 class CapacityPolicy:
     """The per-config rate search (tuner/measure/capacity.py)."""
 
-    resolution: float = 0.15  # stop when the searched bracket's high/low <= 1 + resolution (> 0), every config's
-    max_probes: int = 6       # measurements per config at most (>= 1)
-    start_rate: float = 1.0   # req/s of the first probe when nothing is known yet (> 0)
+    resolution: float  # stop when the searched bracket's high/low <= 1 + resolution (> 0), every config's
+    max_probes: int    # measurements per config at most (>= 1)
+    start_rate: float  # req/s of the first probe when nothing is known yet (> 0)
 
 
 @dataclass(frozen=True)
 class VerdictPolicy:
     """The paired, repeated comparison of the best configs with the default config (tuner/measure/verdict.py)."""
 
-    candidates: int = 2       # best configs re-measured beside the default (>= 1)
-    max_rounds: int = 4       # paired rounds at most (>= 2)
-    budget: float = 300.0     # seconds the rounds may take in all (> 0)
-    window: float = 60.0      # the default's sustained window at its own ceiling (> 0; tuner/measure/verdict_plan.py)
+    candidates: int  # best configs re-measured beside the default (>= 1)
+    max_rounds: int  # paired rounds at most (>= 2)
+    budget: float    # seconds the rounds may take in all (> 0)
+    window: float    # the default's sustained window at its own ceiling (> 0; tuner/measure/verdict_plan.py)
 
 
 @dataclass(frozen=True)
 class Policy:
     slo: SLO
     search_space: tuple[KnobRange, ...]
-    fixed: dict[str, Any] = field(default_factory=dict)
-    constraints: tuple[Constraint, ...] = ()
-    sampler: str = "tpe"
-    start: str = "structured"
-    objective: str = "goodput"
-    trials: int = 10
-    trial_duration: float = 20.0
-    warmup: float = 3.0
-    seed: int = 0
-    workload: WorkloadSpec = WorkloadSpec()
-    rate: float | None = None  # None = auto
-    pruning: PruningSpec = PruningSpec()
-    measurement: MeasurementPolicy = MeasurementPolicy()
-    capacity: CapacityPolicy = CapacityPolicy()
-    verdict: VerdictPolicy = VerdictPolicy()
-    time_budget: float = 840.0  # capacity objective: seconds for the whole run; the engine's searches stop in time
+    fixed: dict[str, Any]
+    constraints: tuple[Constraint, ...]
+    sampler: str
+    start: str
+    objective: str
+    trials: int
+    trial_duration: float
+    warmup: float
+    seed: int
+    workload: WorkloadSpec
+    rate: float | None  # None = auto
+    pruning: PruningSpec
+    measurement: MeasurementPolicy
+    capacity: CapacityPolicy
+    verdict: VerdictPolicy
+    time_budget: float  # capacity objective: seconds for the whole run; the engine's searches stop in time
     control: ControlSpec = field(default_factory=ControlSpec)  # the controller's sections (policies.control)
     source: str = "<built-in>"
 
@@ -292,8 +295,44 @@ def _control(data: dict[str, Any], space: tuple[KnobRange, ...]) -> ControlSpec:
     return parse_control(data, {k.name: k for k in space}, set(KNOB_BY_NAME))  # a ControlPolicyError is a PolicyError
 
 
+# Sections a policy may give field by field, each field it leaves out taking the shipped value. The search space,
+# the fixed knobs and the constraints are given whole: a policy's own search space replaces the shipped one.
+FIELDWISE_SECTIONS = ("slo", "workload", "pruning", "measurement", "capacity", "verdict") + CONTROL_SECTIONS
+
+
+@functools.cache
+def _shipped_document() -> dict[str, Any]:
+    data = yaml.safe_load(default_policy_path().read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise PolicyError(str(default_policy_path()), "the shipped default policy must be a mapping")
+    return data
+
+
+def with_shipped_defaults(data: Any) -> Any:
+    """``data`` read over the shipped default.yaml, the one home of every policy default: a top-level field it leaves
+    out (or sets to null, for a section) takes the shipped value, and so does each field of a section it gives in
+    part; only ``slo.tbt_p99`` is required. Anything but a mapping is returned as it is, for the validation to
+    reject."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        return data
+    merged = copy.deepcopy(_shipped_document())
+    del merged["slo"]["tbt_p99"]  # the one field every policy gives itself: the target it is tuned for
+    for key, value in data.items():
+        if key in FIELDWISE_SECTIONS and value is None:
+            continue
+        if key in FIELDWISE_SECTIONS and isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
 def parse_policy(data: Any, source: str = "<dict>") -> Policy:
-    """A validated Policy from a parsed YAML document (the controller's sections: policies.control)."""
+    """A validated Policy from a parsed YAML document read over the shipped defaults (the controller's sections:
+    policies.control)."""
+    data = with_shipped_defaults(data)
     policy = _policy(validate_document(data), data, source)
     if policy.sampler == "grid":
         for k in policy.search_space:

@@ -225,64 +225,65 @@ def _slo(value: Any) -> SLO:
     return SLO(**targets)
 
 
+# No defaults here: a policy is read over the shipped default.yaml, the one home of every default (policies.policy).
 class WorkloadDoc(Doc):
-    name: str = Field("mixed", min_length=1)
-    length_scale: float = Field(1.0, gt=0)
-    mix: str | None = None
-    mix_weights: str | None = None
-    time_scale: float | None = Field(None, gt=0)
-    trace_offset: Seconds = 0.0  # seconds of the trace's own timeline to skip (traces often start sparse)
-    max_context: int | None = Field(None, ge=2)
-    output_scale: float | None = Field(None, gt=0)  # output lengths' own scale (None: length_scale scales them)
+    name: str = Field(min_length=1)
+    length_scale: float = Field(gt=0)
+    mix: str | None
+    mix_weights: str | None
+    time_scale: float | None = Field(gt=0)
+    trace_offset: Seconds  # seconds of the trace's own timeline to skip (traces often start sparse)
+    max_context: int | None = Field(ge=2)
+    output_scale: float | None = Field(gt=0)  # output lengths' own scale (None: length_scale scales them)
 
 
 class MeasurementDoc(Doc):
-    level: float = Field(0.95, gt=0.5, lt=1.0)
-    min_gaps: int = Field(400, ge=1)
-    cap: PositiveSeconds = 60.0
-    block: PositiveSeconds = 3.0
-    busy: float | None = Field(0.25, gt=0)  # cores; null: other processes' CPU is recorded, not judged
+    level: float = Field(gt=0.5, lt=1.0)
+    min_gaps: int = Field(ge=1)
+    cap: PositiveSeconds
+    block: PositiveSeconds
+    busy: float | None = Field(gt=0)  # cores; null: other processes' CPU is recorded, not judged
 
 
 class CapacityDoc(Doc):
-    resolution: float = Field(0.15, gt=0)
-    max_probes: int = Field(6, ge=1)
-    start_rate: float = Field(1.0, gt=0)
+    resolution: float = Field(gt=0)
+    max_probes: int = Field(ge=1)
+    start_rate: float = Field(gt=0)
 
 
 class VerdictDoc(Doc):
-    candidates: int = Field(2, ge=1)
-    max_rounds: int = Field(4, ge=2)
-    budget: PositiveSeconds = 300.0
-    window: PositiveSeconds = 60.0
+    candidates: int = Field(ge=1)
+    max_rounds: int = Field(ge=2)
+    budget: PositiveSeconds
+    window: PositiveSeconds
 
 
 class PruningDoc(Doc):
-    enabled: bool = True
-    min_gaps: int = Field(100, ge=1)
-    violation_share: float = Field(0.05, ge=0.01, le=1.0)
-    min_elapsed: float = Field(0.3, ge=0.0, le=1.0)
+    enabled: bool
+    min_gaps: int = Field(ge=1)
+    violation_share: float = Field(ge=0.01, le=1.0)
+    min_elapsed: float = Field(ge=0.0, le=1.0)
 
 
 class PolicyDoc(Doc):
     slo: Annotated[SLO, PlainValidator(_slo)]
     search_space: SearchSpaceDoc
     fixed: FixedDoc
-    constraints: list[Annotated[tuple[str | float, str, str | float], PlainValidator(_constraint)]] = []
-    sampler: Sampler = "tpe"
-    start: Start = "structured"
-    objective: Objective = "goodput"
-    trials: int = Field(10, ge=1)
-    trial_duration: PositiveSeconds = 20.0
-    warmup: Seconds = 3.0
-    seed: int = Field(0, ge=0)
-    workload: WorkloadDoc = WorkloadDoc()
-    rate: Rate = None  # None: auto
-    pruning: PruningDoc = PruningDoc()
-    measurement: MeasurementDoc = MeasurementDoc()
-    capacity: CapacityDoc = CapacityDoc()
-    verdict: VerdictDoc = VerdictDoc()
-    time_budget: PositiveSeconds = 840.0  # capacity objective: the whole run; the engine's searches stop in time
+    constraints: list[Annotated[tuple[str | float, str, str | float], PlainValidator(_constraint)]]
+    sampler: Sampler
+    start: Start
+    objective: Objective
+    trials: int = Field(ge=1)
+    trial_duration: PositiveSeconds
+    warmup: Seconds
+    seed: int = Field(ge=0)
+    workload: WorkloadDoc
+    rate: Rate  # None: auto
+    pruning: PruningDoc
+    measurement: MeasurementDoc
+    capacity: CapacityDoc
+    verdict: VerdictDoc
+    time_budget: PositiveSeconds  # capacity objective: the whole run; the engine's searches stop in time
     # the controller's sections, validated by policies.control (against the validated search space)
     guardrails: Any = None
     triggers: Any = None
@@ -295,8 +296,7 @@ class PolicyDoc(Doc):
     @classmethod
     def _nulls_are_empty(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            empty: dict[str, Any] = {"slo": {}, "search_space": {}, "fixed": {}, "constraints": [], "workload": {},
-                                     "pruning": {}, "measurement": {}, "capacity": {}, "verdict": {}}
+            empty: dict[str, Any] = {"search_space": {}, "fixed": {}, "constraints": []}
             data = {**data, **{k: v for k, v in empty.items() if data.get(k) is None}}
         return data
 

@@ -121,3 +121,45 @@ def test_grid_values() -> None:
     assert p.knob("max_num_seqs").grid_values() == [1, 2, 4, 8, 12]
     assert p.knob("chunk_size").grid_values() == [16, 32, 48, 64]
     assert p.knob("block_size").grid_values() == [8, 16]
+
+
+def shipped_fields() -> list[tuple[str, ...]]:
+    """Every field of the shipped default.yaml, a section's fields one by one (the search space, the fixed knobs and
+    the constraints are each one field: a policy gives them whole)."""
+    shipped = yaml.safe_load(default_policy_path().read_text())
+    fields: list[tuple[str, ...]] = []
+    for key, value in shipped.items():
+        if isinstance(value, dict) and key not in {"search_space", "fixed"}:
+            fields += [(key, inner) for inner in value]
+        else:
+            fields.append((key,))
+    return fields
+
+
+@pytest.mark.parametrize("path", [p for p in shipped_fields() if p != ("slo", "tbt_p99")], ids=".".join)
+def test_a_policy_that_leaves_out_a_field_gets_the_shipped_default_for_it(path: tuple[str, ...]) -> None:
+    shipped = yaml.safe_load(default_policy_path().read_text())
+    data = yaml.safe_load(default_policy_path().read_text())
+    if len(path) == 1:
+        del data[path[0]]
+    else:
+        del data[path[0]][path[1]]
+    assert parse_policy(data) == parse_policy(shipped)
+
+
+def test_every_shipped_field_is_seen_by_the_field_by_field_test() -> None:
+    # the walk finds the sections' fields: a policy that changes one gets a different policy
+    fields = shipped_fields()
+    assert ("objective",) in fields and ("measurement", "block") in fields and ("canary", "max_window") in fields
+    assert parse_policy({**BASE, "objective": "goodput"}).objective == "goodput"
+    assert load_policy().objective == "capacity" and parse_policy(BASE).objective == "capacity"
+    assert parse_policy(BASE).trials == load_policy().trials and parse_policy(BASE).time_budget == 1320.0
+    assert parse_policy(with_(measurement={"level": 0.9})).measurement.cap == load_policy().measurement.cap
+
+
+def test_the_defaults_code_builds_with_are_the_shipped_ones() -> None:
+    # the controller's sections and the pruning rule are also built in code (tests, the controller's own defaults)
+    from policies.control import ControlSpec
+    from policies.policy import PruningSpec
+
+    assert ControlSpec() == load_policy().control and PruningSpec() == load_policy().pruning

@@ -19,12 +19,13 @@ from tuner.simulation.step_time_model import StepTimeModel
 COEF = {"const": 0.030, "tokens": 4e-4, "seqs": 2e-3, "prefill_seqs": 1e-3, "context_tokens": 1e-6,
         "context_blocks": 1e-5, "prefill_square": 0.0, "swapped_blocks": 0.0}
 POLICY = parse_policy({
-    "slo": {"tbt_p99": "60ms"},
+    "slo": {"tbt_p99": "60ms", "ttft_p99": None},
     "search_space": {"max_num_seqs": {"low": 1, "high": 4, "log": True},
                      "max_num_batched_tokens": {"choices": [16, 64, 128]},
                      "chunk_size": {"choices": [8, 32, 128]}},
     "constraints": ["chunk_size <= max_num_batched_tokens", "max_num_seqs <= max_num_batched_tokens"],
-    "workload": {"name": "mixed", "length_scale": 0.125},
+    "workload": {"name": "mixed", "length_scale": 0.125, "output_scale": None},
+    "objective": "goodput", "trials": 10, "trial_duration": "20s",
 })
 
 
