@@ -177,7 +177,8 @@ def test_dashboard_controller_queries(stack: NativeStack, load: dict) -> None:
 
 
 POLICY = """
-slo: {tbt_p99: 1s}
+slo: {tbt_p99: 1s, ttft_p99: null}
+objective: goodput
 search_space:
   max_num_seqs: {choices: [1, 2, 4, 8]}
   max_num_batched_tokens: {choices: [32, 64, 128]}
@@ -186,7 +187,7 @@ constraints: [chunk_size <= max_num_batched_tokens, max_num_seqs <= max_num_batc
 trials: 4
 trial_duration: 2s
 warmup: 1s
-workload: {name: mixed, length_scale: 0.125}
+workload: {name: mixed, length_scale: 0.125, output_scale: null}
 rate: 1.0
 measurement: {busy: null}  # both tune processes share this one machine: each other's engine and load are recorded
 """

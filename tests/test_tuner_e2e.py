@@ -21,7 +21,8 @@ from tuner.trials.trial_runner import TrialRunner
 REPO = Path(__file__).resolve().parent.parent
 SLO_S = 1.0  # loose: the searched configs take <= 32 prefill tokens a step, far below 1 s even on a busy CPU
 POLICY = """
-slo: {tbt_p99: 1s}
+slo: {tbt_p99: 1s, ttft_p99: null}
+objective: goodput
 search_space:
   max_num_seqs: {choices: [1, 2, 4]}
   max_num_batched_tokens: {choices: [32, 64]}
@@ -31,7 +32,7 @@ constraints: [chunk_size <= max_num_batched_tokens, max_num_seqs <= max_num_batc
 trials: 3
 trial_duration: 4s
 warmup: 1s
-workload: {name: mixed, length_scale: 0.125}
+workload: {name: mixed, length_scale: 0.125, output_scale: null}
 rate: 1.0
 """
 
@@ -117,8 +118,8 @@ def test_tune_writes_a_servable_config_whose_p99_tbt_meets_the_slo(
                       "--engine-url", server.url, "--admin-token", "secret", "--out", "out3/tuned.yaml"], d)
         assert proc3.returncode in (0, 1) and "Traceback" not in proc3.stderr, proc3.stdout + proc3.stderr
         # the default config runs first; the screen's step times are the profile's rescaled to its steps
-        assert re.search(r"screening 40 configs in the simulator \(step times x\d+\.\d\d: the profile rescaled to "
-                         r"\d+ steps the engine just ran\)", proc3.stdout), proc3.stdout
+        assert re.search(r"screening 40 configs in the simulator \(decode steps x\d+\.\d\d, prefill steps x[\d.]+.*"
+                         r"\(rescaled to \d+ engine steps\): the steps the engine just ran\)", proc3.stdout), proc3.stdout
         assert proc3.stdout.index("default config") < proc3.stdout.index("screening 40 configs"), proc3.stdout
         assert re.search(r"screened 24 configs in .*predicted feasible", proc3.stdout), proc3.stdout
         assert "simulator's prediction against the engine's measurement:" in proc3.stdout, proc3.stdout

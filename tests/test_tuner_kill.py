@@ -14,7 +14,7 @@ import psutil
 from tests.server_helpers import TUNE
 
 POLICY = """
-slo: {tbt_p99: 1s}
+slo: {tbt_p99: 1s, ttft_p99: null}
 search_space:
   max_num_seqs: {choices: [1, 2]}
 objective: capacity

@@ -24,7 +24,8 @@ from tuner.search.study import ROLE_DEFAULT, open_storage
 pytestmark = pytest.mark.slow
 
 POLICY = """
-slo: {tbt_p99: 1s}
+slo: {tbt_p99: 1s, ttft_p99: null}
+objective: goodput
 search_space:
   max_num_seqs: {choices: [1, 2, 4, 8]}
   max_num_batched_tokens: {choices: [32, 64, 128]}
@@ -33,7 +34,7 @@ constraints: [chunk_size <= max_num_batched_tokens, max_num_seqs <= max_num_batc
 trials: 4
 trial_duration: 3s
 warmup: 1s
-workload: {name: mixed, length_scale: 0.125}
+workload: {name: mixed, length_scale: 0.125, output_scale: null}
 rate: 1.0
 """
 
