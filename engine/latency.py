@@ -1,4 +1,4 @@
-"""Request latencies as the server's histograms define them (DESIGN.md, "Metrics"), measured in the engine thread
+"""Request latencies as the server's histograms define them (engine/metrics.py), measured in the engine thread
 where tokens are produced: queue time, time to first token, every inter-token gap, each finished request's own
 p99 gap, end-to-end latency, and its prompt and output lengths. Times are `time.monotonic()`.
 
