@@ -27,7 +27,8 @@ from tuner.trials.step_collector import StepCollector
 CAPACITY = 60
 TOKEN = "secret"
 OUTPUT_TOKENS = 16
-WARMUP_S, DURATION_S = 1.0, 6.0
+# 10 requests in the window: more steps than the buffer holds even where a step takes 0.3 s (a 2-core AVX2 CPU)
+WARMUP_S, DURATION_S = 1.0, 10.0
 
 
 def record(step: int, start_time: float = 0.0) -> StepRecord:
@@ -146,7 +147,7 @@ def test_debug_steps_says_which_records_it_no_longer_has(server: Any) -> None:
 
 
 def trace(folder: Path) -> Path:
-    """One 16-token request a second, for the warm-up and the window (the window is [1, 7) s)."""
+    """One 16-token request a second, for the warm-up and the window (the window is [1, 11) s)."""
     path = folder / "trace.jsonl"
     rows = [{"timestamp": 1000 * i, "input_length": 16, "output_length": OUTPUT_TOKENS, "hash_ids": []}
             for i in range(int(WARMUP_S + DURATION_S))]
