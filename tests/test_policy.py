@@ -158,8 +158,11 @@ def test_every_shipped_field_is_seen_by_the_field_by_field_test() -> None:
 
 
 def test_the_defaults_code_builds_with_are_the_shipped_ones() -> None:
-    # the controller's sections and the pruning rule are also built in code (tests, the controller's own defaults)
+    # the controller's sections, the pruning rule and a trial runner's busy-machine bound are also built in code
+    # (tests, benchmarks, the controller's own defaults)
     from policies.control import ControlSpec
     from policies.policy import PruningSpec
+    from tuner.trials.host_load import BUSY_CORES
 
     assert ControlSpec() == load_policy().control and PruningSpec() == load_policy().pruning
+    assert BUSY_CORES == load_policy().measurement.busy
