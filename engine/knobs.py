@@ -37,6 +37,7 @@ class Knob:
     optional: bool = False
     unit: str = ""
     vllm_flag: str | None = None  # the `vllm serve` flag of the same knob
+    vllm_cpu_multiple: int | None = None  # vLLM's CPU build takes only multiples of this (its attention kernel)
     vllm_note: str | None = None  # said in the vLLM export when the knob has no flag and is not at its default
 
     @property
@@ -128,7 +129,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("prefill_token_ratio", float, 1.0, "share of the step budget prefill chunks may use (1.0: no cap)", "ratio",
          low=0.0, high=1.0, low_open=True, vllm_note="has no vLLM flag (vLLM: no cap, 1.0)"),
     Knob("block_size", int, 16, "tokens per KV block", "block", "relayout", low=1, high=256, unit="tokens",
-         vllm_flag="--block-size"),
+         vllm_flag="--block-size", vllm_cpu_multiple=32),
     Knob("num_kv_blocks", int, None, "KV pool size in blocks (none: from kv_cache_bytes)", "blocks", "relayout",
          low=1, optional=True, unit="blocks", vllm_flag="--num-gpu-blocks-override"),
     Knob("kv_cache_bytes", int, 1 << 30, "KV pool size in bytes (when num_kv_blocks is none)", "kv_bytes",
@@ -160,6 +161,30 @@ def knob(name: str) -> Knob:
         return KNOB_BY_NAME[name]
     except KeyError:
         raise KeyError(f"unknown knob {name!r}; known knobs: {', '.join(KNOB_NAMES)}") from None
+
+
+def engine_flag(k: Knob, engine: str) -> str | None:
+    """The command-line flag of knob ``k`` on ``engine`` ("slotune" or "vllm"; None: that engine has no such flag)."""
+    if engine == "slotune":
+        return k.flag
+    if engine == "vllm":
+        return k.vllm_flag
+    raise ValueError(f"unknown engine {engine!r}: slotune or vllm")
+
+
+def vllm_cpu_refuses(k: Knob, value: Any) -> str | None:
+    """Why vLLM's CPU build refuses ``value`` for knob ``k`` (None: it takes it, or has no rule for it)."""
+    m = k.vllm_cpu_multiple
+    if m is not None and isinstance(value, int) and value % m:
+        return f"vLLM's CPU build takes only multiples of {m}"
+    return None
+
+
+def flag_words(flag: str, value: Any) -> list[str]:
+    """A knob's value on a command line: ``--flag value``; a bool as ``--flag`` / ``--no-flag`` (vLLM's style)."""
+    if isinstance(value, bool):
+        return [flag if value else "--no-" + flag.removeprefix("--")]
+    return [flag, "none" if value is None else str(value)]
 
 
 def short_label(name: str) -> str:

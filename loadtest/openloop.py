@@ -52,6 +52,7 @@ def request_body(spec: RequestSpec, builder: PromptBuilder, model: str | None) -
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "return_token_ids": True,  # vLLM lists each event's tokens: several in one event count as several
         "temperature": 0.0,
     }
     if model:
@@ -203,6 +204,9 @@ class OpenLoopDispatcher:
             rec.actual_send_time = res.send_time + off
             rec.token_times = [t + off for t in res.token_times]
             rec.output_tokens = len(res.token_times)
+            rec.output_events = res.events
+            rec.multi_token_events = res.multi_token_events
+            rec.usage_tokens = int((res.usage or {}).get("completion_tokens", -1))
             rec.ttft = rec.token_times[0] - rec.intended_send_time if rec.token_times else math.nan
             rec.finish_time = res.finish_time + off if not math.isnan(res.finish_time) else math.nan
             rec.http_status = res.http_status

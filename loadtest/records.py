@@ -41,6 +41,9 @@ class RequestRecord:
     status: str = "ok"
     error: str = ""
     http_status: int = 0
+    output_events: int = 0  # the events the output tokens came in (fewer than the tokens: several in one event)
+    multi_token_events: int = 0  # events that carried more than one token
+    usage_tokens: int = -1  # completion_tokens of the server's usage (-1: it sent none)
 
     @property
     def send_lag(self) -> float:
@@ -65,8 +68,11 @@ class RequestRecord:
                 v = json.loads(v) if isinstance(v, str) else [float(x) for x in (v if v is not None else [])]
             elif f.name in ("error", "id", "kind", "status"):
                 v = "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
-            elif f.name in ("index", "worker", "prompt_tokens", "max_tokens", "output_tokens", "http_status"):
-                v = 0 if v is None or (isinstance(v, float) and math.isnan(v)) else int(v)
+            elif f.name == "usage_tokens":
+                v = -1 if v is None or v == "" or (isinstance(v, float) and math.isnan(v)) else int(v)
+            elif f.name in ("index", "worker", "prompt_tokens", "max_tokens", "output_tokens", "http_status",
+                            "output_events", "multi_token_events"):
+                v = 0 if v is None or v == "" or (isinstance(v, float) and math.isnan(v)) else int(v)
             else:
                 v = NAN if v is None or v == "" else float(v)
             kw[f.name] = v
@@ -85,7 +91,8 @@ def _arrow_schema():
         "scheduled_at": pa.float64(), "intended_send_time": pa.float64(), "actual_send_time": pa.float64(),
         "prompt_tokens": pa.int64(), "max_tokens": pa.int64(), "output_tokens": pa.int64(),
         "ttft": pa.float64(), "token_times": pa.list_(pa.float64()), "finish_time": pa.float64(),
-        "status": pa.string(), "error": pa.string(), "http_status": pa.int32(), "send_lag": pa.float64(),
+        "status": pa.string(), "error": pa.string(), "http_status": pa.int32(), "output_events": pa.int64(),
+        "multi_token_events": pa.int64(), "usage_tokens": pa.int64(), "send_lag": pa.float64(),
     }
     return pa.schema([(c, types[c]) for c in COLUMNS])
 

@@ -33,7 +33,7 @@ class LoadTestError(RuntimeError):
     pass
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -51,7 +51,7 @@ def locust_commands(cfg: LoadConfig, workers: int, port: int | None = None) -> t
     main = base + ["--headless", "--only-summary", "-u", "1", "-r", "1", "--host", cfg.url, *to_argv(cfg)]
     if workers <= 1:
         return main, []
-    port = port or _free_port()
+    port = port or free_port()
     main += ["--master", "--expect-workers", str(workers), "--master-bind-host", "127.0.0.1",
              "--master-bind-port", str(port)]
     worker = base + ["--worker", "--master-host", "127.0.0.1", "--master-port", str(port)]

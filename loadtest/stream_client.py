@@ -1,7 +1,11 @@
 """One streamed completion request over a plain socket, timing the arrival of every token.
 
-``POST /v1/completions`` (OpenAI-compatible, ``stream: true``): the server sends one SSE event per token. The
-time of a token is the time the bytes holding its event came off the socket (``clock()`` right after ``recv``).
+``POST /v1/completions`` (OpenAI-compatible, ``stream: true``): the server sends an SSE event per token, or several
+tokens in one event when it falls behind (vLLM's API process; speculative decoding). An event that lists its
+``token_ids`` (vLLM's ``return_token_ids``) counts as that many tokens, all arriving when the event did (the gaps
+between them are zero: they were received together); one that does not counts as one. The time of a token is the time
+the bytes holding its event came off the socket (``clock()`` right after ``recv``). The server's ``usage`` closes the
+stream and is kept, so that the count can be checked against it.
 
 This module uses the standard :mod:`socket` module through attribute lookups at call time, so inside the load
 process (where Locust/gevent has monkey-patched it) every request is a cooperative greenlet; it works with plain
@@ -13,6 +17,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import re
 import socket
 import ssl
 import time
@@ -33,6 +38,8 @@ class StreamResult:
     error: str = ""
     done: bool = False  # the response ended normally
     usage: dict | None = None
+    events: int = 0  # events that carried tokens
+    multi_token_events: int = 0  # events that carried more than one token
 
 
 def completions_path(url: str) -> str:
@@ -209,6 +216,24 @@ def _read_response(sock: socket.socket, result: StreamResult, max_tokens: int | 
 
 
 _FAST_TOKEN = b'"finish_reason":null'
+_TOKEN_IDS = re.compile(rb'[{,]"token_ids":\[([^\]]*)\]')  # not "prompt_token_ids"
+
+
+def _add_tokens(result: StreamResult, now: float, count: int) -> None:
+    if count <= 0:
+        return
+    result.token_times.extend([now] * count)
+    result.events += 1
+    result.multi_token_events += count > 1
+
+
+def _listed_tokens(data: bytes) -> int | None:
+    """How many tokens the event lists in ``token_ids`` (None: it lists none)."""
+    m = _TOKEN_IDS.search(data)
+    if m is None:
+        return None
+    ids = m.group(1).strip()
+    return ids.count(b",") + 1 if ids else 0
 
 
 def _on_event(data: bytes, now: float, result: StreamResult, max_tokens: int | None) -> bool:
@@ -218,7 +243,8 @@ def _on_event(data: bytes, now: float, result: StreamResult, max_tokens: int | N
         return True
     # fast path for the common event (a choice, not the last token, no error): no JSON parsing
     if _FAST_TOKEN in data and b'"choices":[{' in data and b'"error"' not in data and b'"usage":{' not in data:
-        result.token_times.append(now)
+        listed = _listed_tokens(data)
+        _add_tokens(result, now, 1 if listed is None else listed)
         return False
     try:
         obj = json.loads(data)
@@ -237,8 +263,10 @@ def _on_event(data: bytes, now: float, result: StreamResult, max_tokens: int | N
         text = c.get("text")
         if text is None and isinstance(c.get("delta"), dict):  # chat completions
             text = c["delta"].get("content")
-        if text or not c.get("finish_reason") or max_tokens is None or len(result.token_times) < max_tokens:
-            result.token_times.append(now)
+        if isinstance(c.get("token_ids"), list):
+            _add_tokens(result, now, len(c["token_ids"]))
+        elif text or not c.get("finish_reason") or max_tokens is None or len(result.token_times) < max_tokens:
+            _add_tokens(result, now, 1)
     if obj.get("usage"):
         result.usage = obj["usage"]
     return False

@@ -177,8 +177,21 @@ def _figures(recs: list[RequestRecord], slo: SLO, duration_s: float | None, lag_
         "send_lag_p99": percentile(lags, 99),
         "send_lag_max": float(lags.max()) if lags.size else None,
         "late_sends": int((lags > lag_warn).sum()),
+        **_token_accounting(ok),
         "slo": slo.as_dict(),
     }
+
+
+def _token_accounting(ok: list[RequestRecord]) -> dict[str, Any]:
+    """How the finished requests' tokens arrived: the share of events that carried several tokens (their inner gaps
+    are zero: received together), and the requests whose counted tokens differ from the server's usage."""
+    events = sum(r.output_events for r in ok)
+    multi = sum(r.multi_token_events for r in ok)
+    checked = [r for r in ok if r.usage_tokens >= 0]
+    return {"multi_token_event_share": (multi / events) if events else None,
+            "gaps_inside_events": int(sum(max(0, r.output_tokens - r.output_events) for r in ok if r.output_events)),
+            "usage_checked": len(checked),
+            "usage_mismatches": sum(r.usage_tokens != r.output_tokens for r in checked)}
 
 
 def _warnings(out: dict[str, Any], recs: list[RequestRecord], lag_warn: float) -> list[str]:
@@ -193,6 +206,10 @@ def _warnings(out: dict[str, Any], recs: list[RequestRecord], lag_warn: float) -
         warnings.append(f"{out['not_sent']} requests were due but never sent (the run was stopped early)")
     if out["unfinished"]:
         warnings.append(f"{out['unfinished']} requests were still streaming when the run ended (they do not attain)")
+    if out.get("usage_mismatches"):
+        warnings.append(f"{out['usage_mismatches']} of {out['usage_checked']} finished requests received a "
+                        "different number of tokens than the server's usage says (the server sent several tokens in "
+                        "an event without listing them: its gaps are not each token's)")
     if out["failed"]:
         top = Counter(r.error.split("\n")[0][:120] for r in recs if r.status == "error").most_common(3)
         warnings.append(f"{out['failed']} requests failed: " + "; ".join(f"{c}x {e}" for e, c in top))

@@ -20,9 +20,10 @@ import time
 
 
 class Stream:
-    __slots__ = ("writer", "rid", "remaining", "ready_at", "done", "times", "usage", "prompt_tokens", "total")
+    __slots__ = ("writer", "rid", "remaining", "ready_at", "done", "times", "usage", "prompt_tokens", "total", "ids")
 
-    def __init__(self, writer, rid, max_tokens, ready_at, prompt_tokens, usage) -> None:
+    def __init__(self, writer, rid, max_tokens, ready_at, prompt_tokens, usage, ids=False) -> None:
+        self.ids = ids  # the request asked for each event's token_ids (vLLM's return_token_ids)
         self.writer = writer
         self.rid = rid
         self.remaining = max_tokens
@@ -39,7 +40,9 @@ def _chunk(data: bytes) -> bytes:
 
 
 class StubServer:
-    def __init__(self, interval: float = 0.02, ttft: float = 0.0, record: bool = True) -> None:
+    def __init__(self, interval: float = 0.02, ttft: float = 0.0, record: bool = True,
+                 tokens_per_event: int = 1) -> None:
+        self.tokens_per_event = tokens_per_event  # > 1: several tokens in one event, as a server that falls behind
         self.interval = interval
         self.ttft = ttft
         self.record = record
@@ -70,13 +73,15 @@ class StubServer:
                 if s.writer.is_closing():
                     s.done.set_result(False) if not s.done.done() else None
                     continue
+                k = min(self.tokens_per_event, s.remaining)
                 if self.record:
-                    s.times.append(time.time())  # before the write: the client can't see a token before this
-                s.remaining -= 1
+                    s.times.extend([time.time()] * k)  # before the write: the client can't see a token before this
+                s.remaining -= k
                 last = s.remaining == 0
+                ids = b',"token_ids":[%s]' % b",".join(b"7" for _ in range(k)) if s.ids else b""
                 ev = (b'data: {"id":"cmpl-%s","object":"text_completion","model":"stub","choices":[{"index":0,'
-                      b'"text":" tok","logprobs":null,"finish_reason":%s}]}\n\n'
-                      % (s.rid.encode(), b'"length"' if last else b"null"))
+                      b'"text":"%s","logprobs":null,"finish_reason":%s%s}]}\n\n'
+                      % (s.rid.encode(), b" tok" * k, b'"length"' if last else b"null", ids))
                 if last:
                     tail = b""
                     if s.usage:
@@ -162,7 +167,7 @@ class StubServer:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
                      b"Transfer-Encoding: chunked\r\n\r\n")
         loop = asyncio.get_running_loop()
-        s = Stream(writer, rid, max_tokens, loop.time() + self.ttft, n_prompt, usage)
+        s = Stream(writer, rid, max_tokens, loop.time() + self.ttft, n_prompt, usage, bool(req.get("return_token_ids")))
         if self.record:
             if rid in self.requests:
                 self.requests[rid]["duplicates"] = self.requests[rid].get("duplicates", 0) + 1
@@ -179,8 +184,8 @@ class StubServer:
                 "ticks": self.ticks, "interval": self.interval, "requests": reqs}
 
 
-async def serve(host: str, port: int, interval: float, ttft: float, record: bool) -> None:
-    stub = StubServer(interval, ttft, record)
+async def serve(host: str, port: int, interval: float, ttft: float, record: bool, tokens_per_event: int = 1) -> None:
+    stub = StubServer(interval, ttft, record, tokens_per_event)
     server = await asyncio.start_server(stub.handle, host, port, backlog=4096, limit=1 << 24)
     asyncio.get_running_loop().create_task(stub.ticker())
     print(f"LISTENING {server.sockets[0].getsockname()[1]}", flush=True)
@@ -195,9 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=0.02, help="seconds between tokens (the step time)")
     p.add_argument("--ttft", type=float, default=0.0, help="extra delay before the first token")
     p.add_argument("--no-record", action="store_true", help="don't keep per-token times")
+    p.add_argument("--tokens-per-event", type=int, default=1, help="tokens sent in one event (a server behind)")
     a = p.parse_args(argv)
     try:
-        asyncio.run(serve(a.host, a.port, a.interval, a.ttft, not a.no_record))
+        asyncio.run(serve(a.host, a.port, a.interval, a.ttft, not a.no_record, a.tokens_per_event))
     except KeyboardInterrupt:
         pass
     return 0

@@ -219,3 +219,26 @@ def test_loadtest_package_never_imports_engine():
         assert not mods & {"engine", "torch"}, path
         if path.name not in load_process_modules:
             assert not mods & {"locust", "gevent"}, path
+
+
+def test_a_server_that_sends_several_tokens_in_one_event_is_counted_by_its_tokens(tmp_path):
+    """A server behind sends three tokens an event: each request still gets all its tokens (the server's usage
+    agrees), the share of multi-token events is in the summary, and the gaps inside an event are zero."""
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "streaming_stub_server.py"), "--port", "0",
+                             "--interval", "0.03", "--tokens-per-event", "3"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        url = f"http://127.0.0.1:{int(line.split()[1])}"
+        cfg = LoadConfig(url=url, rate=4.0, duration=3.0, mix="s=16:9", mix_weights="1", seed=3,
+                         out=str(tmp_path / "multi"))
+        s = run_loadtest(cfg)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    records = read_records(str(tmp_path / "multi" / "records.parquet"))
+    ok = [r for r in records if r.status == "ok"]
+    assert ok and all(r.output_tokens == r.max_tokens == 9 == r.usage_tokens for r in ok)
+    assert all(r.output_events == 3 and r.multi_token_events == 3 for r in ok)
+    assert all(list(np.diff(r.token_times)[[0, 1, 3, 4, 6, 7]]) == [0.0] * 6 for r in ok)
+    assert s["multi_token_event_share"] == 1.0 and s["usage_mismatches"] == 0 and s["usage_checked"] == len(ok)
+    assert s["gaps_inside_events"] == 6 * len(ok)

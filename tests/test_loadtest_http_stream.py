@@ -71,3 +71,19 @@ def test_token_counting_rules():
     assert r.token_times == [1.0, 2.0, 3.0] and r.usage == {"completion_tokens": 3} and not r.error
     _on_event(b'{"choices":[{"text":"x","finish_reason":null}],"error":{"message":"boom"}}', 7.0, r, 3)
     assert "boom" in r.error and len(r.token_times) == 3
+
+
+def test_an_event_that_lists_several_tokens_counts_as_several_received_together():
+    """vLLM puts several tokens in one event when its API process falls behind; with ``return_token_ids`` the event
+    lists them: they count as that many tokens, their inner gaps zero, and the event as a multi-token event."""
+    r = StreamResult()
+    first = {"choices": [{"text": "a", "finish_reason": None, "prompt_token_ids": [1, 2, 3, 4, 5], "token_ids": [7]}]}
+    _on_event(json.dumps(first, separators=(",", ":")).encode(), 1.0, r, 6)  # fast path; the prompt's ids ignored
+    _on_event(b'{"choices":[{"text":"bcd","finish_reason":null,"prompt_token_ids":null,"token_ids":[8,9,10]}]}',
+              2.0, r, 6)
+    _on_event(json.dumps({"choices": [{"text": "ef", "finish_reason": "length", "token_ids": [11, 12]}]}).encode(),
+              3.0, r, 6)  # the last event, parsed
+    _on_event(b'{"choices":[{"text":"","finish_reason":"length","token_ids":[]}]}', 4.0, r, 6)  # no token in it
+    _on_event(b'{"choices":[],"usage":{"completion_tokens":6}}', 5.0, r, 6)
+    assert r.token_times == [1.0, 2.0, 2.0, 2.0, 3.0, 3.0]
+    assert (r.events, r.multi_token_events) == (3, 2) and r.usage == {"completion_tokens": 6}

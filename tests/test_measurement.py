@@ -389,6 +389,27 @@ def test_the_floor_keeps_the_least_disturbing_arrangement_and_flags_an_slo_below
     again, _ = measure_floor(backend, tmp_path / "again", spec=MeasurementSpec(min_gaps=400, max_segments=2),
                              arrangements=[REALTIME, NORMAL, SEPARATE], arrange=arrange)
     assert again.arrangement == REALTIME.describe() and backend.added == 0.002
+    # the first arrangement's window void (a busy machine): the floor is the one that measured, not "?"
+    busy = {"on": False}
+
+    @dataclass
+    class BusyAtFirst(Disturbed):
+        def run(self, knobs: dict[str, Any], out_dir: Path, rate: float | None = None,
+                seed: int | None = None) -> TrialOutcome:
+            if busy["on"]:
+                return TrialOutcome(dict(knobs), {}, {}, False, "the machine was busy: other processes took 0.33 "
+                                    "cores", Path(out_dir), rate=rate)
+            return super().run(knobs, out_dir, rate, seed)
+
+    flaky = BusyAtFirst(0.0)
+
+    def arrange_busy(a: Arrangement) -> None:
+        busy["on"] = a is REALTIME
+        flaky.added = 0.01
+
+    third, _ = measure_floor(flaky, tmp_path / "busy", spec=MeasurementSpec(min_gaps=400, max_segments=2),
+                             arrangements=[REALTIME, NORMAL], arrange=arrange_busy)
+    assert third.arrangement == NORMAL.describe() and third.tbt_p99_batch1.n > 0
 
 
 def test_misses_in_one_run_carry_less_evidence_than_misses_spread_out() -> None:

@@ -12,6 +12,7 @@ import pytest
 from tuner.commands.tune import main
 
 REPO = Path(__file__).resolve().parent.parent
+VLLM_POLICY = str(REPO / "policies" / "vllm-cpu.yaml")
 
 
 def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -41,6 +42,23 @@ def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, 
     (["--engine-url", "localhost:8000", "--admin-token", "t"], "argument --engine-url: must be an http(s) URL"),
     (["--model", "/nonexistent/model.gguf"], "argument --model: no such file"),
     (["--out", "tuned.json"], "argument --out: must be a .yaml file"),
+    (["--engine", "vllm", "--apply"], "argument --apply: --engine vllm has no live knobs"),
+    (["--engine", "vllm", "--engine-url", "http://127.0.0.1:1"], "argument --engine-url: tune --engine vllm starts"),
+    (["--engine", "command"], "argument --engine-command: required with --engine command"),
+    (["--engine", "command", "--engine-command", "server --listen 8000"], "put {port} in it"),
+    (["--engine", "command", "--engine-command", "srv {port}", "--knob-flag", "max_seqs=--x"],
+     "--knob-flag max_seqs=--x: unknown knob"),
+    (["--engine", "command", "--engine-command", "srv {port}", "--knob-flag", "nonsense"],
+     "argument --knob-flag: must look like KNOB=--flag"),
+    (["--engine", "command", "--engine-command", "srv {port}", "--knob-flag", "chunk_size="],
+     "argument --knob-flag: must look like KNOB=--flag"),
+    (["--engine", "vllm", "--policy", VLLM_POLICY, "--vllm-python", "/nonexistent/bin/python"],
+     "vLLM's python /nonexistent/bin/python does not exist: create its environment"),
+    (["--engine", "vllm", "--policy", VLLM_POLICY, "--vllm-python", sys.executable], "vLLM is not installed for"),
+    (["--engine", "vllm", "--vllm-python", sys.executable], "the policy searches block_size 8, 16: vLLM's CPU"),
+    (["--check", "tuned.vllm.txt"], "argument --check: only with --engine vllm or --engine command"),
+    (["--engine", "command", "--engine-command", "srv {port}", "--check", "/nonexistent/tuned.yaml"],
+     "argument --check: no such file"),
 ])
 def test_bad_flags_name_the_flag(argv: list[str], words: str, capsys: pytest.CaptureFixture[str],
                                  monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -104,3 +122,47 @@ def test_a_trace_keeps_the_scales_a_policy_gives_it_and_drops_those_meant_for_mi
     assert (w.name, w.length_scale, w.output_scale) == (str(trace), 1.0, None)
     w = policy_from_args(build_parser().parse_args(["--workload", "mixed"])).workload
     assert (w.name, w.length_scale, w.output_scale) == ("mixed", 0.125, 0.25)
+
+
+def test_the_transfer_check_reads_the_flags_tune_wrote(tmp_path: Path) -> None:
+    """A tuned.vllm.txt as tune writes it (multi-line, with its notes) gives back the knobs it was written from."""
+    from tuner.commands.engines import checked_knobs
+    from tuner.output import write_vllm
+
+    knobs = {"max_num_seqs": 6, "max_num_batched_tokens": 16, "chunk_size": 16, "block_size": 32,
+             "enable_prefix_caching": False, "prefill_token_ratio": 0.5}
+    write_vllm(tmp_path / "tuned.vllm.txt", knobs, "SmolLM2-135M-Instruct.Q4_1")
+    text = (tmp_path / "tuned.vllm.txt").read_text()
+    assert "measured on slotune's engine, not on vLLM" in text
+    assert checked_knobs(str(tmp_path / "tuned.vllm.txt")) == {k: v for k, v in knobs.items()
+                                                               if k != "prefill_token_ratio"}
+
+
+def test_tune_at_a_server_that_is_not_slotunes_names_what_is_missing(tmp_path: Path) -> None:
+    stub = subprocess.Popen([sys.executable, str(REPO / "tests" / "streaming_stub_server.py"), "--port", "0"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(stub.stdout.readline().split()[1])  # type: ignore[union-attr]
+        proc = subprocess.run([sys.executable, "-m", "tuner.commands.tune", "--slo-p99-tbt", "50ms", "--engine-url",
+                               f"http://127.0.0.1:{port}", "--admin-token", "t"], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120)
+    finally:
+        stub.terminate()
+        stub.wait(10)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"tune: error: the server at http://127.0.0.1:{port} is not slotune's engine (it has no /admin/config, so its "
+        "knobs cannot change live): tune vLLM with --engine vllm, any other OpenAI-compatible server with --engine "
+        "command --engine-command TEMPLATE (a server per configuration; docs/engines.md)")
+
+
+def test_a_policy_with_values_vllms_cpu_build_refuses_is_stopped_before_any_start() -> None:
+    """vLLM's CPU attention takes block sizes in multiples of 32 only (a refused one costs minutes of start-up)."""
+    from policies import load_policy
+    from tuner.commands.engines import check_vllm_values
+    from tuner.commands.flags import CliError
+
+    with pytest.raises(CliError, match=r"the policy searches block_size 8, 16: vLLM's CPU build takes only "
+                                       r"multiples of 32 \(policies/vllm-cpu.yaml"):
+        check_vllm_values(load_policy(None))
+    check_vllm_values(load_policy(str(REPO / "policies" / "vllm-cpu.yaml")))

@@ -10,7 +10,7 @@ from typing import Any
 import optuna
 import yaml
 
-from engine.knobs import KNOBS, short_label
+from engine.knobs import KNOBS, flag_words, short_label
 from slotune.slo import SLO
 from slotune.units import format_duration
 from tuner.search.study import feasible, measured
@@ -42,10 +42,7 @@ def vllm_command(knobs: dict[str, Any], model: str | None) -> str:
         value = knobs.get(knob.name)
         if knob.vllm_flag is None or value is None:
             continue
-        if knob.type is bool:
-            parts.append(knob.vllm_flag if value else knob.vllm_flag.replace("--", "--no-", 1))
-        else:
-            parts.append(f"{knob.vllm_flag} {value}")
+        parts.append(" ".join(flag_words(knob.vllm_flag, value)))
     return " \\\n    ".join(parts)
 
 
@@ -55,9 +52,14 @@ def vllm_notes(knobs: dict[str, Any]) -> list[str]:
             if k.vllm_note and k.name in knobs and knobs[k.name] not in (None, k.default)]
 
 
-def write_vllm(path: Path, knobs: dict[str, Any], model: str | None) -> str:
+MEASURED_ON_SLOTUNE = ("measured on slotune's engine, not on vLLM: how far it carries over is measured by "
+                      "`tune --engine vllm --check FILE` (docs/engines.md)")
+
+
+def write_vllm(path: Path, knobs: dict[str, Any], model: str | None, measured_on: str = MEASURED_ON_SLOTUNE) -> str:
+    """The ``vllm serve`` command of ``knobs``, with what it cannot carry and where the knobs were measured."""
     text = vllm_command(knobs, model)
-    notes = vllm_notes(knobs)
+    notes = [measured_on] + vllm_notes(knobs)
     path.write_text(text + "\n" + "".join(f"# {n}\n" for n in notes))
     return text
 

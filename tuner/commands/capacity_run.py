@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import optuna
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from tuner.commands.session import TuneSession
     from tuner.search.rescreen import Rescreen
     from tuner.simulation.step_time_model import StepTimeModel
+    from tuner.trials.restarted_engine import RestartedEngine
 
 PROG = "tune"
 SCREENED = 40  # configs the simulator screens for capacity when --screen is not given
@@ -124,6 +126,12 @@ class CapacityRun:
 
         n = getattr(self.s.args, "screen", None) or SCREENED
         top = max(0, self.p.trials - 1)
+        kind = self.s.kind
+        if kind is not None and kind.name != "slotune":
+            # the simulator's step-time model is calibrated on slotune's engine only
+            say(f"{PROG}: no step-time model is calibrated on {kind.name}: the search runs on the engine alone, "
+                f"the configs picked by the {self.p.sampler} sampler")
+            return
 
         def rank(model: StepTimeModel | None) -> list[tuple[dict[str, Any], dict[str, Any]]]:
             # on a simulated engine (tests) the screen is that simulator itself
@@ -161,7 +169,15 @@ class CapacityRun:
         return self.s.started + self.p.time_budget - self.verdict_reserve_s()
 
     def verdict_reserve_s(self) -> float:
-        return min(self.p.verdict.budget, 2 * self.plan.full_round_s())
+        return min(self.p.verdict.budget, 2 * self.switching_plan().full_round_s())
+
+    def switching_plan(self) -> VerdictPlan:
+        """The verdict's plan, with the mean start of a server per configuration as the cost of each measurement's
+        config change (the default and the candidates alternate)."""
+        restarted = self.s.restarted
+        ups = [start.seconds for start in restarted.starts if start.ok] if restarted is not None else []
+        self.plan = replace(self.plan, switch_s=sum(ups) / len(ups) if ups else 0.0)
+        return self.plan
 
     def after_trial(self, r: TrialReport) -> None:
         """The trial's line, then the next screened trial, ranked at the engine's speed (not when no further search
@@ -206,6 +222,7 @@ class CapacityRun:
         if not candidates:
             return self.none_shown()
         # the verdict gets its budget, or what is left of the run's when the searches ran late (one round at least)
+        self.switching_plan()
         budget = max(0.0, min(p.verdict.budget, self.s.started + p.time_budget - time.monotonic()))
         c_level, d_level = pool_levels(p.measurement.level, len(candidates))
         say(f"{PROG}: verdict: the default and {len(candidates)} candidate(s) at fixed rates on fresh arrival draws, "
@@ -266,6 +283,10 @@ class CapacityRun:
         model = self.rescreen.fitted(self.study) if self.rescreen is not None else None
         return confirmed_rows(self.study, self.twin(model), self.p, self.s.trials_dir / "twin", sustained)
 
+    def restarts_text(self) -> str:
+        """With a server per configuration: how much of the run went to starting servers."""
+        return _restarts_note(self.s.restarted)
+
     def round_line(self, r: int, result: VerdictResult) -> None:
         parts = [f"{c.name.split(' (')[0]} {c.shown().format()}" + ("" if c.is_default else f" {result.outcome(c)}")
                  for c in [result.default] + result.candidates]
@@ -289,7 +310,9 @@ class CapacityRun:
         line = verdict_line(result, p.slo.words())
         report = s.out.with_suffix(".html")
         vllm_path = s.out.with_suffix(".vllm.txt")
-        vllm = write_vllm(vllm_path, chosen.knobs, self.model)
+        kind = s.kind.name if s.kind is not None else "slotune"
+        vllm = write_vllm(vllm_path, chosen.knobs, self.model, **(
+            {} if kind == "slotune" else {"measured_on": f"measured on {kind} itself, a server per configuration"}))
         evidence: dict[str, Any] = {"verdict": result.as_dict(), "verdict_line": line, "floor": self.floor,
                                     "tuned_is_default": chosen is result.default, "held": held,
                                     "confirmed": self.confirmed(result)}
@@ -300,10 +323,18 @@ class CapacityRun:
                          remeasured=None, vllm=vllm, report=report, trials=len(self.study.trials),
                          capacity=capacity_section(result, chosen), evidence=evidence)
         write_report(report, self.study, p.slo.as_dict(), f"tune: {s.study_name}", [line])
-        say(f"{PROG}: wrote {s.out} (serve it: slotune serve --config {s.out}), {report}, {vllm_path}")
-        say(f"{PROG}: done in {format_duration(time.monotonic() - s.started)}")
+        serve = f"slotune serve --config {s.out}" if kind == "slotune" else f"the flags in {vllm_path}"
+        say(f"{PROG}: wrote {s.out} (serve it: {serve}), {report}, {vllm_path}")
+        say(f"{PROG}: done in {format_duration(time.monotonic() - s.started)}" + self.restarts_text())
         say(line)
         return 0
+
+
+def _restarts_note(restarted: "RestartedEngine | None") -> str:
+    if restarted is None or not restarted.starts:
+        return ""
+    return (f", {format_duration(restarted.restart_seconds())} of it starting {len(restarted.starts)} servers "
+            f"({sum(not s.ok for s in restarted.starts)} did not come up)")
 
 
 def capacity_section(result: VerdictResult, chosen: Contender) -> dict[str, Any]:

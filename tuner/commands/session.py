@@ -15,7 +15,9 @@ from optuna.trial import TrialState
 
 from slotune.units import format_duration
 from policies import Policy
-from tuner.trials.engine_handle import EngineError, EngineHandle, ManagedEngine
+from tuner.trials.engine_handle import ConfigRejected, EngineError, EngineHandle, ManagedEngine
+from tuner.trials.engine_kinds import ServerKind
+from tuner.trials.restarted_engine import RestartedEngine
 from tuner.output import short_knobs, write_report, write_tuned_yaml, write_vllm
 from tuner.search.auto_rate import choose_rate
 from tuner.search.study import (ROLE_DEFAULT, TrialReport, best_trial, closest_trial, counted_trials,
@@ -36,8 +38,10 @@ def say(text: str) -> None:
 
 class TuneSession:
     def __init__(self, args: argparse.Namespace, policy: Policy, storage: optuna.storages.BaseStorage,
-                 token: str | None) -> None:
+                 token: str | None, kind: ServerKind | None = None) -> None:
         self.args = args
+        self.kind = kind  # --engine vllm|command: the server started per configuration
+        self.restarted: RestartedEngine | None = None
         self.policy = policy
         self.storage = storage
         self.token = token
@@ -56,6 +60,8 @@ class TuneSession:
     # ---------------------------------------------------------------------------------------------- engine
 
     def start_engine(self) -> EngineHandle:
+        if self.kind is not None:
+            return self.start_restarted(self.kind)
         if self.args.engine_url:
             self.handle = EngineHandle(self.args.engine_url, self.token)
             if not self.handle.alive():
@@ -72,7 +78,24 @@ class TuneSession:
             f"(log: {self.managed.log_path})")
         return self.handle
 
+    def start_restarted(self, kind: ServerKind) -> EngineHandle:
+        """--engine vllm|command: the server with the engine's own defaults first (they are read back from it and
+        are the baseline), then a server per configuration."""
+        logs = self.trials_dir.parent / "servers"
+        say(f"{PROG}: starting {kind.name} with its own defaults (a server per configuration; logs: {logs}) ...")
+        self.restarted = RestartedEngine(kind, logs, startup_timeout=self.args.engine_start_timeout)
+        defaults = self.restarted.defaults()
+        assert self.restarted.handle is not None
+        self.handle = self.restarted.handle
+        start = self.restarted.starts[-1]
+        say(f"{PROG}: {kind.name} up at {self.handle.url} in {start.seconds:.0f}s; its defaults as it resolved them: "
+            + (short_knobs(defaults) if defaults else "(the server does not say; the baseline is its command with "
+               "no knob flags)"))
+        return self.handle
+
     def close(self) -> None:
+        if self.restarted is not None:
+            self.restarted.stop()
         if self.handle is not None and self.original_config is not None and not self.applied:
             try:  # a given engine gets back the config it had before the study
                 self.handle.patch_config(self.original_config)
@@ -87,11 +110,11 @@ class TuneSession:
         p = self.policy
         try:
             handle = self.start_engine()
-        except EngineError as error:
+        except (EngineError, ConfigRejected) as error:
             print(f"{PROG}: error: {error}", file=sys.stderr)
             return 1
         model = handle.model()
-        runner = TrialRunner(self.managed or handle, workload=p.workload, rate=p.rate or 1.0,
+        runner = TrialRunner(self.restarted or self.managed or handle, workload=p.workload, rate=p.rate or 1.0,
                              duration=p.trial_duration, warmup=p.warmup, slo=p.slo, pruning=p.pruning, seed=p.seed,
                              busy_cores=p.measurement.busy)
         try:

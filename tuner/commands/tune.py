@@ -8,6 +8,7 @@ against the default config.
     tune --slo-p99-tbt 80ms --slo-p99-ttft 2s --workload trace.csv --rate 2 --trials 30 --trial-duration 30s
     tune --slo-p99-tbt 50ms --engine-url http://127.0.0.1:8000 --admin-token T --apply
     tune --slo-p99-tbt 50ms --storage postgresql://u:p@db/optuna --study-name shared   # several processes
+    tune --slo-p99-tbt 50ms --engine vllm        # a vLLM server per configuration (docs/engines.md)
 
 Without --engine-url it starts the default engine itself (and always stops it). The search space, constraints,
 sampler, trial count and durations come from a policy (--policy FILE, default policies/default.yaml); flags
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from policies import OBJECTIVES, SAMPLERS, Policy, PolicyError, load_policy
+from tuner.commands.engines import add_engine_flags, check_engine_args
 from tuner.commands.flags import CliError, check_workload, duration_arg
 
 PROG = "tune"
@@ -98,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_non_negative_int, metavar="N",
                    help="the run's seed (default: the policy's, 0): the configs screened, the searches' and the "
                    "verdict's arrival draws all follow from it; a seed other than 0 names its own study")
+    add_engine_flags(p)
     return p
 
 
@@ -125,6 +128,9 @@ def policy_from_args(args: argparse.Namespace) -> Policy:
         if getattr(args, flag) is not None:
             changes[flag] = getattr(args, flag)
     policy = policy.replace(**changes)
+    if getattr(args, "check", None):
+        from tuner.commands.engines import check_policy, checked_knobs
+        policy = check_policy(policy, checked_knobs(args.check))
     if policy.sampler == "grid":
         for k in policy.search_space:
             try:
@@ -138,6 +144,7 @@ def check_args(args: argparse.Namespace) -> str | None:
     """Cross-flag checks; returns the admin token to use."""
     import os
 
+    check_engine_args(args)
     token = args.admin_token or (os.environ.get("SLOTUNE_ADMIN_TOKEN") if args.engine_url else None)
     if args.engine_url:
         if not args.engine_url.startswith(("http://", "https://")):
@@ -152,7 +159,7 @@ def check_args(args: argparse.Namespace) -> str | None:
             raise CliError("argument --admin-token: only with --engine-url")
         if args.apply:
             raise CliError("argument --apply: needs --engine-url (the engine tune starts stops when tune ends)")
-    if args.model and not Path(args.model).exists():
+    if args.model and not Path(args.model).exists() and args.engine != "command":
         raise CliError(f"argument --model: no such file or folder {args.model!r}")
     if not args.out.endswith((".yaml", ".yml")):
         raise CliError(f"argument --out: must be a .yaml file, got {args.out!r}")
@@ -170,9 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        policy = policy_from_args(args)
         token = check_args(args)
+        policy = policy_from_args(args)
         check_workload(policy)
+        kind = None
+        if args.engine != "slotune":
+            from tuner.commands.engines import server_kind
+            kind = server_kind(args, policy)
         from tuner.search.study import StorageError, open_storage
         try:
             storage = open_storage(args.storage)
@@ -186,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when started with SIGINT ignored
         signal.signal(signal.SIGINT, _interrupt)
     from tuner.commands.session import TuneSession
-    session = TuneSession(args, policy, storage, token)
+    session = TuneSession(args, policy, storage, token, kind)
     try:
         return session.run()
     except KeyboardInterrupt:

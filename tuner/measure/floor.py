@@ -137,7 +137,9 @@ Tried = tuple[Arrangement | None, list[TrialOutcome], list[list[RequestRecord]]]
 
 def least_disturbing(tried: list[Tried], slo: Any, spec: MeasurementSpec, rate: float) -> Tried:
     """The first arrangement (the default) unless another's batch-1 p99 TBT is lower beyond the noise (its interval
-    entirely below the first one's); among several such, the lowest."""
-    p99 = [figures(r, slo, spec, rate).tbt_p99 for _, _, r in tried]
-    better = [i for i in range(1, len(tried)) if p99[i].high < p99[0].low]
-    return tried[min(better, key=lambda i: p99[i].value)] if better else tried[0]
+    entirely below the first one's); among several such, the lowest. An arrangement whose windows measured nothing
+    (their machinery failed: a busy machine) is passed over."""
+    measured = [t for t in tried if any(t[2])] or tried[:1]
+    p99 = [figures(r, slo, spec, rate).tbt_p99 for _, _, r in measured]
+    better = [i for i in range(1, len(measured)) if p99[i].high < p99[0].low]
+    return measured[min(better, key=lambda i: p99[i].value)] if better else measured[0]

@@ -30,6 +30,7 @@ class VerdictPlan:
     window: float  # the default's sustained window (verdict.window)
     warmup: float
     step: float  # a candidate is first measured one step below its searched capacity, then a step lower
+    switch_s: float = 0.0  # what changing config costs before a measurement (an engine restarted per config)
 
     @classmethod
     def of(cls, policy: Policy) -> VerdictPlan:
@@ -50,8 +51,9 @@ class VerdictPlan:
         return max(self.window, candidate / 2) if beside else self.window
 
     def round_s(self, plan: list[tuple[bool, bool]]) -> float:
-        """A round of measurements (default?, beside a candidate?), a warm-up before each, no idle waits."""
-        return sum(self.window_for(default, beside) + self.warmup for default, beside in plan)
+        """A round of measurements (default?, beside a candidate?), a warm-up (and a config change) before each,
+        no idle waits."""
+        return sum(self.window_for(default, beside) + self.warmup + self.switch_s for default, beside in plan)
 
     def full_round_s(self) -> float:
         """A first round: each candidate, the default beside each, and the default at its own ceiling."""

@@ -24,7 +24,7 @@ from tuner.search.objective import goodput, suggest_knobs
 from tuner.output import short_knobs
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.simulation.step_time_model import StepTimeModel
-from tuner.trials.engine_handle import EngineError, EngineHandle, ManagedEngine
+from tuner.trials.engine_handle import EngineError, EngineHandle
 from tuner.trials.trial_backend import TrialBackend
 from tuner.trials.trial_runner import TrialOutcome, TrialRunner
 
@@ -167,8 +167,7 @@ def sim_runner_like(runner: TrialRunner, profile: str | Path | None = None,
 def _live_handle(runner: TrialRunner | SimTrialRunner) -> EngineHandle | None:
     if not isinstance(runner, TrialRunner):  # a simulated engine (tests): no engine to ask
         return None
-    engine = runner.engine
-    return engine.handle if isinstance(engine, ManagedEngine) else engine
+    return runner.handle
 
 
 def engine_admin_config(runner: TrialRunner | SimTrialRunner) -> dict[str, Any] | None:

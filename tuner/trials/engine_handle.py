@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,13 +20,18 @@ from typing import Any
 
 import httpx
 
-from loadtest.runner import die_with_parent, stop_process
+from loadtest.runner import die_with_parent, free_port, stop_process
+from tuner.trials.engine_metrics import SLOTUNE_SERIES, EngineSeries, histogram_buckets, queued
 
 STARTUP_TIMEOUT_S = 240.0
 
 
 class EngineError(RuntimeError):
     """The engine cannot be reached, is dead, or answered something unexpected."""
+
+
+class NotSlotune(EngineError):
+    """The server answers but is not slotune's engine: it has no admin API to change its knobs live."""
 
 
 @dataclass(frozen=True)
@@ -49,9 +53,15 @@ class ConfigRejected(ValueError):
 
 @dataclass
 class EngineHandle:
+    """An engine's HTTP API. slotune's engine has it all; another OpenAI-compatible server (vLLM) answers /health
+    (with an empty body), /metrics under its own series names (``series``) and perhaps a prefix-cache reset route
+    (``prefix_reset``), and has no admin or step-record routes: its step records read as none."""
+
     url: str
     admin_token: str | None = None
     timeout: float = 30.0
+    series: EngineSeries = SLOTUNE_SERIES
+    prefix_reset: str | None = "/admin/reset_prefix_cache"  # POST route that drops the prefix cache (None: none)
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -66,12 +76,19 @@ class EngineHandle:
             raise EngineError(f"{method} {self.url}{path}: {error or type(error).__name__}") from None
 
     def health(self) -> dict[str, Any] | None:
-        """The /health body when the engine answers 200, else None."""
+        """The /health body when the engine answers 200 ({} for a body that is not a JSON object, as vLLM's empty
+        one), else None."""
         try:
             r = httpx.get(self.url + "/health", timeout=5.0)
         except httpx.HTTPError:
             return None
-        return r.json() if r.status_code == 200 else None
+        if r.status_code != 200:
+            return None
+        try:
+            body = r.json()
+        except ValueError:
+            return {}
+        return body if isinstance(body, dict) else {}
 
     def alive(self) -> bool:
         return self.health() is not None
@@ -97,6 +114,11 @@ class EngineHandle:
         return self._admin_json(r)["config"]
 
     def _admin_json(self, r: httpx.Response) -> dict[str, Any]:
+        if r.status_code == 404:
+            raise NotSlotune(f"the server at {self.url} is not slotune's engine (it has no /admin/config, so its "
+                             "knobs cannot change live): tune vLLM with --engine vllm, any other "
+                             "OpenAI-compatible server with --engine command --engine-command TEMPLATE (a server "
+                             "per configuration; docs/engines.md)")
         if r.status_code in (401, 403):
             raise EngineError(f"{self.url}/admin/config refused the admin token ({r.status_code}): pass the "
                               "engine's token with --admin-token")
@@ -104,11 +126,23 @@ class EngineHandle:
             raise EngineError(f"{self.url}/admin/config answered {r.status_code}: {r.text[:200]}")
         return r.json()
 
-    def reset_prefix_cache(self) -> int:
-        """Drop every cached prefix block no running request holds (POST /admin/reset_prefix_cache), so a trial does
-        not ride on an earlier one's cache; returns how many blocks were dropped."""
-        r = self._request("POST", "/admin/reset_prefix_cache")
-        return int(self._admin_json(r).get("dropped_blocks", 0))
+    def reset_prefix_cache(self) -> int | None:
+        """Drop every cached prefix block no running request holds (POST to ``prefix_reset``), so a trial does not
+        ride on an earlier one's cache; returns how many blocks were dropped (-1: the server does not say), None
+        when the server has no such route."""
+        if self.prefix_reset is None:
+            return None
+        r = self._request("POST", self.prefix_reset)
+        if self.prefix_reset.startswith("/admin/"):
+            return int(self._admin_json(r).get("dropped_blocks", 0))
+        ok = r.status_code == 200
+        try:
+            ok = ok and r.json().get("success", True) is not False
+        except ValueError:
+            pass
+        if not ok:  # vLLM: blocks still held (a request running), or no such route
+            raise EngineError(f"{self.url}{self.prefix_reset} answered {r.status_code}: {r.text[:200]}")
+        return -1
 
     def steps(self, since: int = -1) -> tuple[list[dict[str, Any]], int]:
         """Step records after step ``since`` (oldest first) and the engine's last step number."""
@@ -120,6 +154,8 @@ class EngineHandle:
         after ``since`` its ring buffer dropped before this read (from its ``dropped``; an engine that does not say
         is judged by the first record's step number, the steps being numbered without a gap)."""
         r = self._request("GET", "/debug/steps", params={"since": since})
+        if r.status_code == 404:  # not slotune's engine: no step records
+            return StepPage([], since, 0)
         if r.status_code != 200:
             raise EngineError(f"{self.url}/debug/steps answered {r.status_code}")
         body = r.json()
@@ -135,6 +171,10 @@ class EngineHandle:
             raise EngineError(f"{self.url}/metrics answered {r.status_code}")
         return r.text
 
+    def itl_buckets(self) -> dict[float, float]:
+        """The engine's inter-token-latency histogram ({upper bound s: cumulative count}; empty: not reported)."""
+        return histogram_buckets(self.metrics_text(), self.series.inter_token_latency)
+
     def model(self) -> str | None:
         try:
             r = self._request("GET", "/v1/models")
@@ -143,24 +183,30 @@ class EngineHandle:
             return None
 
     def wait_idle(self, timeout: float = 60.0, poll: float = 0.2) -> bool:
-        """Wait until nothing runs, waits or is preempted; False on timeout or a dead engine."""
+        """Wait until nothing runs, waits or is preempted (slotune's /health says; another server's gauges of
+        running and waiting requests); False on timeout or a dead engine."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            h = self.health()
-            if h is not None and not (h.get("num_running") or h.get("num_waiting") or h.get("num_preempted")):
+            if self._idle():
                 return True
             time.sleep(poll)
         return False
 
+    def _idle(self) -> bool:
+        h = self.health()
+        if h is None:
+            return False
+        if "num_running" in h:
+            return not (h.get("num_running") or h.get("num_waiting") or h.get("num_preempted"))
+        try:
+            busy = queued(self.metrics_text(), self.series)
+        except EngineError:
+            return False
+        return not busy  # None: the server reports neither gauge, and the load test's drain is all there is
+
 
 def _new_log_file() -> str:
     return tempfile.NamedTemporaryFile(prefix="slotune-tune-engine-", suffix=".log", delete=False).name
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -190,7 +236,7 @@ class ManagedEngine:
         return cmd + self.extra_args
 
     def start(self) -> EngineHandle:
-        port = _free_port()
+        port = free_port()
         env = {**os.environ, "SLOTUNE_ADMIN_TOKEN": self.token, "TOKENIZERS_PARALLELISM": "false"}
         with open(self.log_path, "ab") as log:
             # the token goes by environment, not argv (other users can read argv)

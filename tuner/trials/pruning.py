@@ -11,23 +11,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from policies import PruningSpec
+from tuner.trials.engine_metrics import SLOTUNE_SERIES, EngineSeries, histogram_buckets
 
-ITL_METRIC = "slotune_inter_token_latency_seconds"
 
-
-def itl_buckets(metrics_text: str) -> dict[float, float]:
-    """{upper bound in s: cumulative count} of the inter-token-latency histogram (+Inf included)."""
-    out: dict[float, float] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name != ITL_METRIC:
-            continue
-        for s in family.samples:
-            if s.name == ITL_METRIC + "_bucket":
-                out[float(s.labels["le"])] = s.value
-    return out
+def itl_buckets(metrics_text: str, series: EngineSeries = SLOTUNE_SERIES) -> dict[float, float]:
+    """{upper bound in s: cumulative count} of the engine's inter-token-latency histogram (+Inf included)."""
+    return histogram_buckets(metrics_text, series.inter_token_latency)
 
 
 def gaps_above(before: dict[float, float], after: dict[float, float], target: float) -> tuple[float, float]:

@@ -39,9 +39,10 @@ from slotune.slo import SLO
 from loadtest.summary import summarize, write_summary
 from policies import PruningSpec, WorkloadSpec
 from tuner.trials.engine_handle import ConfigRejected, EngineError, EngineHandle, ManagedEngine
+from tuner.trials.restarted_engine import RestartedEngine, StartFailed
 from tuner.trials.host_load import BUSY_CORES, HostLoad, busy_reason, is_local, serving_pid
 from tuner.trials.step_collector import STEP_POLL_S, StepCollector
-from tuner.trials.pruning import PruneWatcher, itl_buckets
+from tuner.trials.pruning import PruneWatcher
 from tuner.measure.step_stats import step_stats, window_steps
 from tuner.trials.trial_backend import load_config_for
 
@@ -95,9 +96,10 @@ def feasibility(summary: dict[str, Any], slo: SLO) -> str | None:
 
 @dataclass
 class TrialRunner:
-    """Runs trials against ``engine`` (an EngineHandle, or a ManagedEngine this tuner owns and may restart)."""
+    """Runs trials against ``engine``: an EngineHandle (knobs changed live), a ManagedEngine this tuner owns and may
+    restart, or a RestartedEngine (a server per configuration, the knobs as its start-up flags)."""
 
-    engine: EngineHandle | ManagedEngine
+    engine: EngineHandle | ManagedEngine | RestartedEngine
     workload: WorkloadSpec | str = "mixed"
     rate: float = 1.0
     duration: float = 20.0
@@ -119,12 +121,13 @@ class TrialRunner:
             self.workload = WorkloadSpec(name=self.workload)
         self.slo = _slo(self.slo)
         if self.base_knobs is None:
-            self.base_knobs = self.handle.get_config()
+            self.base_knobs = self.engine.defaults() if isinstance(self.engine, RestartedEngine) \
+                else self.handle.get_config()
 
     @property
     def handle(self) -> EngineHandle:
-        if isinstance(self.engine, ManagedEngine):
-            assert self.engine.handle is not None, "start the managed engine first"
+        if isinstance(self.engine, (ManagedEngine, RestartedEngine)):
+            assert self.engine.handle is not None, "start the engine first"
             return self.engine.handle
         return self.engine
 
@@ -161,6 +164,11 @@ class TrialRunner:
 
     def _ensure_engine(self) -> str | None:
         """Restart a dead engine this tuner owns; returns what happened (None: it was alive)."""
+        if isinstance(self.engine, RestartedEngine):  # the next trial's apply starts the server it needs
+            if self.engine.process is None or self.engine.alive():
+                return None
+            self.engine.stop()
+            return "the engine had died; the next trial starts a fresh server"
         if self.handle.alive():
             return None
         if isinstance(self.engine, ManagedEngine):
@@ -218,7 +226,7 @@ class TrialRunner:
         """Other processes' CPU during the load test, this tuner's engine counted as its own: a child when tune
         started it, else the process serving its URL's port on this machine (not judged where none is found
         there; a remote engine's CPU is not this machine's)."""
-        if isinstance(self.engine, ManagedEngine):
+        if isinstance(self.engine, (ManagedEngine, RestartedEngine)):
             return HostLoad()
         pid = serving_pid(self.handle.url)
         return HostLoad(judged=pid is not None or not is_local(self.handle.url), also=(pid,) if pid is not None else ())
@@ -226,17 +234,29 @@ class TrialRunner:
     def _apply(self, knobs: dict[str, Any]) -> tuple[dict[str, Any], int]:
         """Apply ``knobs`` to the idle engine from a cleared prefix cache; returns the knobs as applied and the
         step to read the engine's step records on from. Raises _NotMeasured when it cannot."""
+        if isinstance(self.engine, RestartedEngine):
+            try:  # the server of this config: the running one, or a new one started with its flags
+                knobs = self.engine.apply(knobs)
+            except StartFailed as error:
+                raise _NotMeasured(knobs, f"rejected by the engine at start-up: {error}") from None
+            except ConfigRejected as error:
+                raise _NotMeasured(knobs, f"rejected by the engine: {error}") from None
+            except EngineError as error:
+                raise _NotMeasured(knobs, f"could not start the engine: {error}") from None
         if not self.handle.wait_idle(self.idle_timeout):
             raise _NotMeasured(knobs, f"the engine did not become idle within {self.idle_timeout:.0f}s")
         # the step to read on from: taken while idle, before the config change and the reset (the window's steps
         # are then picked by their start times)
         first_step = int((self.handle.health() or {}).get("last_step", -1))
-        try:
-            applied = dict(self.handle.patch_config(knobs))
-        except ConfigRejected as error:
-            raise _NotMeasured(knobs, f"rejected by the engine: {error}") from None
-        except EngineError as error:
-            raise _NotMeasured(knobs, f"could not apply the knobs: {error}") from None
+        if isinstance(self.engine, RestartedEngine):
+            applied = dict(knobs)
+        else:
+            try:
+                applied = dict(self.handle.patch_config(knobs))
+            except ConfigRejected as error:
+                raise _NotMeasured(knobs, f"rejected by the engine: {error}") from None
+            except EngineError as error:
+                raise _NotMeasured(knobs, f"could not apply the knobs: {error}") from None
         try:  # every trial starts from the same state: no prefix block of an earlier trial survives
             self.handle.reset_prefix_cache()
         except EngineError as error:
@@ -278,7 +298,7 @@ class TrialRunner:
 
     def _itl_snapshot(self) -> dict[float, float]:
         try:
-            return itl_buckets(self.handle.metrics_text())
+            return self.handle.itl_buckets()
         except EngineError:
             return {}
 
@@ -292,6 +312,8 @@ class TrialRunner:
                  "reason": o.reason, "workload": self.workload.as_dict(), "rate": o.rate, "slo": self.slo.as_dict(),
                  "started_at": started_at, "simulated": o.simulated, "pruned": o.pruned,
                  "duration": self.duration, "warmup": self.warmup}
+        if isinstance(self.engine, RestartedEngine):  # which server measured it, and its log
+            trial["engine"] = {"kind": self.engine.kind.name, "flags": self.engine.flags, "log": self.engine.log_path}
         (o.out_dir / "trial.json").write_text(json.dumps(trial, indent=2) + "\n")
 
 
@@ -330,7 +352,7 @@ class _LoadWatch:
         elapsed = elapsed_s - runner.warmup
         if elapsed < 0:
             return
-        if self.watcher.check(elapsed, itl_buckets(runner.handle.metrics_text())):
+        if self.watcher.check(elapsed, runner.handle.itl_buckets()):
             self.stopped_at = elapsed_s
             _stop_locust()
 

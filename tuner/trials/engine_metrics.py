@@ -1,0 +1,64 @@
+"""The one reader of an engine's Prometheus text for the tuner's trials: the same quantities from slotune's series
+or from vLLM's (its ``vllm:`` names), so that the idle check, the engine-side inter-token latency beside the client's
+and the pruning of a lost window work on either engine.
+
+Series are summed over their labels (vLLM labels every series with its model and engine index). A server whose
+``/metrics`` lacks a series reads as "not reported" (None or an empty histogram), never as zero.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclass(frozen=True)
+class EngineSeries:
+    """The names of the series a trial reads, on one engine."""
+
+    inter_token_latency: str  # histogram (seconds) of the gaps between a request's tokens
+    time_to_first_token: str  # histogram (seconds)
+    running: str  # gauge: requests in the running batch
+    waiting: str  # gauge: requests queued
+
+
+SLOTUNE_SERIES = EngineSeries("slotune_inter_token_latency_seconds", "slotune_time_to_first_token_seconds",
+                              "slotune_num_requests_running", "slotune_num_requests_waiting")
+VLLM_SERIES = EngineSeries("vllm:inter_token_latency_seconds", "vllm:time_to_first_token_seconds",
+                           "vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def histogram_buckets(metrics_text: str, name: str) -> dict[float, float]:
+    """{upper bound in s: cumulative count} of histogram ``name`` summed over its labels (+Inf included); empty
+    when the text has no such histogram."""
+    out: dict[float, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != name:
+            continue
+        for s in family.samples:
+            if s.name == name + "_bucket":
+                bound = float(s.labels["le"])
+                out[bound] = out.get(bound, 0.0) + s.value
+    return out
+
+
+def gauge_sum(metrics_text: str, name: str) -> float | None:
+    """Gauge ``name`` summed over its labels; None when the text has no such series."""
+    total: float | None = None
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != name:
+            continue
+        for s in family.samples:
+            if s.name == name and math.isfinite(s.value):
+                total = (total or 0.0) + s.value
+    return total
+
+
+def queued(metrics_text: str, series: EngineSeries) -> float | None:
+    """Requests running or waiting, from the gauges; None when the engine reports neither."""
+    running, waiting = gauge_sum(metrics_text, series.running), gauge_sum(metrics_text, series.waiting)
+    if running is None and waiting is None:
+        return None
+    return (running or 0.0) + (waiting or 0.0)
