@@ -23,14 +23,18 @@ from tuner.search.study import enqueue_default, open_storage, open_study
 
 
 def run_on_the_simulator(tmp_path: Path, tbt: float, capsys: pytest.CaptureFixture[str],
-                         searches_budget: float | None = None) -> tuple[int, str, str]:
+                         searches_budget: float | None = None, apply_to: str | None = None) -> tuple[int, str, str]:
     policy = load_policy().replace(trials=3)
     if searches_budget is not None:  # a time budget spent before the searches (less than one verdict round)
         policy = policy.replace(time_budget=searches_budget)
     policy = policy.replace(slo=policy.slo.__class__(tbt_p99=tbt, ttft_p99=2.0))
-    args = build_parser().parse_args(["--out", str(tmp_path / "out" / "tuned.yaml"), "--screen", "6"])
+    args = build_parser().parse_args(["--out", str(tmp_path / "out" / "tuned.yaml"), "--screen", "6"]
+                                     + (["--apply"] if apply_to else []))
     storage = open_storage(f"sqlite:///{tmp_path}/study.db")
     session = TuneSession(args, policy, storage, None)
+    if apply_to is not None:  # a real engine the tuned config is applied to (the simulator measured it)
+        from tuner.trials.engine_handle import EngineHandle
+        session.handle = EngineHandle(apply_to, "secret")
     model = StepTimeModel.load(profile_path(None))
     sim = SimTrialRunner(model, limits=limits_of(model), workload=policy.workload, duration=policy.trial_duration,
                          warmup=policy.warmup, slo=SLO(tbt, 2.0), seed=policy.seed)
@@ -230,3 +234,21 @@ def test_the_bracket_of_a_searchs_readings() -> None:
     assert bracket_of([(4.0, "met"), (3.0, "missed")]) == [0.0, None]  # 3 missed below 4 met: both ends open
     assert reading("undecided", 0.93) == "met" and reading("undecided", 0.87) == "missed"
     assert reading("met", 0.91) == "met" and reading("missed", 0.92) == "missed"
+
+
+def test_apply_leaves_the_tuned_config_in_the_engine_with_the_capacity_objective(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import httpx
+
+    from tests.server_helpers import InProcessServer
+
+    server = InProcessServer(admin_token="secret")
+    try:
+        rc, out, err = run_on_the_simulator(tmp_path, 0.050, capsys, apply_to=server.url)
+        assert rc == 0, out + err
+        tuned = yaml.safe_load((tmp_path / "out" / "tuned.yaml").read_text())["knobs"]
+        config = httpx.get(server.url + "/admin/config", headers={"authorization": "Bearer secret"}).json()["config"]
+        assert {k: config[k] for k in tuned} == tuned
+        assert f"tune: applied to {server.url}: " in out
+    finally:
+        server.stop()

@@ -194,6 +194,10 @@ def test_secrets_come_from_the_environment() -> None:
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True).stdout.split()
     assert ".env" not in tracked
     services = compose(SECRETS)["services"]
+    # never on a command line, where `ps` and `docker inspect` show it to anyone
+    for name, service in services.items():
+        words = " ".join(map(str, service.get("command") or []))
+        assert not any(value in words for value in SECRETS.values()), name
     # each secret reaches exactly the services that use it
     holders = {var: {n for n, s in services.items() if var in (s.get("environment") or {})}
                for var in ("SLOTUNE_ADMIN_TOKEN", "PGPASSWORD")}

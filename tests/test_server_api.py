@@ -52,6 +52,16 @@ def test_models_and_health(server: InProcessServer, client: openai.OpenAI) -> No
     assert health["status"] == "ok"
 
 
+def test_the_first_request_of_the_serving_page_is_answered(server: InProcessServer) -> None:
+    """docs/serving.md's first curl, its body as written there, gets a stream (not a 404 for the model's name)."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
+    body = json.loads(page.split("-d '", 1)[1].split("'", 1)[0])
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200 and "data: [DONE]" in r.text, r.text[:300]
+
+
 def test_completion_stream_equals_non_stream_and_exact_lengths(server: InProcessServer,
                                                                client: openai.OpenAI) -> None:
     extra = {"ignore_eos": True}

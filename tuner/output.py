@@ -56,10 +56,12 @@ MEASURED_ON_SLOTUNE = ("measured on slotune's engine, not on vLLM: how far it ca
                       "`tune --engine vllm --check FILE` (docs/engines.md)")
 
 
-def write_vllm(path: Path, knobs: dict[str, Any], model: str | None, measured_on: str = MEASURED_ON_SLOTUNE) -> str:
-    """The ``vllm serve`` command of ``knobs``, with what it cannot carry and where the knobs were measured."""
+def write_vllm(path: Path, knobs: dict[str, Any], model: str | None, engine: str = "slotune") -> str:
+    """The ``vllm serve`` command of ``knobs``, with where the knobs were measured (on ``engine``) and what the
+    command cannot carry."""
     text = vllm_command(knobs, model)
-    notes = [measured_on] + vllm_notes(knobs)
+    where = MEASURED_ON_SLOTUNE if engine == "slotune" else f"measured on {engine} itself, a server per configuration"
+    notes = [where] + vllm_notes(knobs)
     path.write_text(text + "\n" + "".join(f"# {n}\n" for n in notes))
     return text
 

@@ -26,6 +26,7 @@ from tuner.output import short_knobs, write_report, write_tuned_yaml, write_vllm
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.search.confirmation import confirmed_rows
 from tuner.search.study import ROLE_DEFAULT, TrialReport, longest_trial_s, measured, run_trials, starts_in_time
+from tuner.trials.engine_handle import ConfigRejected, EngineError
 from tuner.trials.trial_runner import TrialRunner
 from tuner.measure.verdict import DEFAULT, Contender, Sample, VerdictResult, first_rate, paired_verdict, pool_levels
 from tuner.measure.verdict_report import verdict_line
@@ -311,8 +312,7 @@ class CapacityRun:
         report = s.out.with_suffix(".html")
         vllm_path = s.out.with_suffix(".vllm.txt")
         kind = s.kind.name if s.kind is not None else "slotune"
-        vllm = write_vllm(vllm_path, chosen.knobs, self.model, **(
-            {} if kind == "slotune" else {"measured_on": f"measured on {kind} itself, a server per configuration"}))
+        vllm = write_vllm(vllm_path, chosen.knobs, self.model, kind)
         evidence: dict[str, Any] = {"verdict": result.as_dict(), "verdict_line": line, "floor": self.floor,
                                     "tuned_is_default": chosen is result.default, "held": held,
                                     "confirmed": self.confirmed(result)}
@@ -325,8 +325,23 @@ class CapacityRun:
         write_report(report, self.study, p.slo.as_dict(), f"tune: {s.study_name}", [line])
         serve = f"slotune serve --config {s.out}" if kind == "slotune" else f"the flags in {vllm_path}"
         say(f"{PROG}: wrote {s.out} (serve it: {serve}), {report}, {vllm_path}")
+        code = self.apply(chosen)
         say(f"{PROG}: done in {format_duration(time.monotonic() - s.started)}" + self.restarts_text())
         say(line)
+        return code
+
+    def apply(self, chosen: Contender) -> int:
+        """--apply: the config written as tuned left applied in the engine at --engine-url."""
+        s = self.s
+        if not getattr(s.args, "apply", False) or s.handle is None or s.restarted is not None:
+            return 0
+        try:
+            applied = s.handle.patch_config(chosen.knobs)
+        except (ConfigRejected, EngineError) as error:
+            print(f"{PROG}: error: could not apply the tuned config to {s.handle.url}: {error}", file=sys.stderr)
+            return 1
+        s.applied = True  # kept on the way out (the engine does not get its original config back)
+        say(f"{PROG}: applied to {s.handle.url}: {short_knobs(applied)}")
         return 0
 
 

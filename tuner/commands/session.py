@@ -272,7 +272,8 @@ class TuneSession:
             + (f" vs default {default.values[0]:.2f}" if default is not None else ""))
         confirm = self.remeasure(runner, knobs, best.user_attrs.get("rate") or rate)
         vllm_path = self.out.with_suffix(".vllm.txt")
-        vllm = write_vllm(vllm_path, knobs, model)
+        kind = self.kind.name if self.kind is not None else "slotune"
+        vllm = write_vllm(vllm_path, knobs, model, kind)
         write_tuned_yaml(self.out, knobs=knobs, slo=p.slo.as_dict(), workload=p.workload.as_dict(), rate=rate,
                          rate_reason=rate_reason, objective=p.objective, model=model, study_name=self.study_name,
                          storage=str(getattr(self.storage, "url", type(self.storage).__name__)), tuned=best,
@@ -283,7 +284,8 @@ class TuneSession:
         if default is not None:
             lines.append(f"default (trial #{default.number}): {self.describe(_as_outcome(default))}")
         write_report(report, study, p.slo.as_dict(), title, lines)
-        say(f"{PROG}: wrote {self.out} (serve it: slotune serve --config {self.out}), {report}, {vllm_path}")
+        serve = f"slotune serve --config {self.out}" if kind == "slotune" else f"the flags in {vllm_path}"
+        say(f"{PROG}: wrote {self.out} (serve it: {serve}), {report}, {vllm_path}")
         say(f"  vLLM: {vllm.replace(chr(92) + chr(10) + '    ', '')}")
         if default is not None:
             self.say_against_default(best, default)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -31,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slotune control", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine-url", required=True, help="the engine (`slotune serve`): admin API and step records")
-    p.add_argument("--admin-token", required=True, help="the engine's admin token")
+    p.add_argument("--admin-token", default=None, help="the engine's admin token (default: $SLOTUNE_ADMIN_TOKEN; the "
+                   "environment keeps it out of the process list, where any user can read a command line)")
     p.add_argument("--policy", default=None, help="policy YAML (default: the shipped policies/default.yaml)")
     p.add_argument("--prometheus-url", default=None, help="read the metrics through this Prometheus server")
     p.add_argument("--prometheus-selector", default="", help='label matchers for the engine\'s series, e.g. '
@@ -50,7 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.admin_token = args.admin_token or os.environ.get("SLOTUNE_ADMIN_TOKEN")
+    if not args.admin_token:
+        parser.error("argument --admin-token: required (or set SLOTUNE_ADMIN_TOKEN)")
     try:
         policy = load_policy(args.policy)
     except PolicyError as error:
