@@ -41,6 +41,10 @@ from tuner.trials.trial_runner import TrialRunner  # noqa: E402
 VLLM_SEED = 61  # the run's --seed (fixed before the run; no other run used it)
 CHECK_S = 120.0  # seconds of one independent check's sustained window (each check also costs a vLLM start)
 POLICY = REPO / "policies" / "vllm-cpu.yaml"
+# vLLM's CPU build sizes its KV cache at ~90 % of the machine's memory by default (20.6 of 23.5 GiB here), and a
+# start fails when anything else holds memory; 4 GiB holds ~180,000 tokens of the default model, far more than any
+# config here keeps. A memory budget, not a batching knob: the knobs stay at vLLM's defaults.
+KV_CACHE_GIB = "4"
 
 
 def vllm_check(knobs: dict[str, Any], rate: float, slo: dict[str, Any], workload: dict[str, Any],
@@ -62,6 +66,7 @@ def main() -> int:
     p.add_argument("--slo", nargs=2, metavar=("TBT", "TTFT"), help="targets instead of the README's 50ms / 2s")
     p.add_argument("--out", required=True)
     a = p.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)  # tune's vLLM servers inherit it
     out = Path(a.out).resolve()
     folder = out.with_suffix("")
     extra = ["--engine", "vllm", "--policy", str(POLICY), "--seed", str(VLLM_SEED)]
@@ -81,7 +86,8 @@ def main() -> int:
             "default": vllm_check(run["default"]["knobs"], tuned_low, run["slo"], run["workload"],
                                   folder / "check-default"),
             "seed": INDEPENDENT_SEED, "window_s": CHECK_S}
-    result.update(cpu=cpu_name(), cores=os.cpu_count(), date=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    result.update(cpu=cpu_name(), cores=os.cpu_count(), date=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                  vllm_cpu_kvcache_space_gib=os.environ["VLLM_CPU_KVCACHE_SPACE"])
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(f"rc {run.get('rc')} in {run.get('seconds') or 0:.0f}s: {run.get('last_line')}")
     print(result["floor_line"] or "(no floor line)")

@@ -66,3 +66,21 @@ def test_one_reader_for_slotunes_and_vllms_series() -> None:
     # a series the server lacks reads as not reported, never as zero
     assert queued(VLLM_METRICS, SLOTUNE_SERIES) is None
     assert histogram_buckets(VLLM_METRICS, SLOTUNE_SERIES.inter_token_latency) == {}
+
+
+def test_a_failed_start_is_told_in_the_engines_own_words(tmp_path) -> None:
+    """vLLM ends a failed start with a line pointing back at the cause, and code lines that name the error: the
+    reason is the exception's own message."""
+    from tuner.trials.restarted_engine import engine_reason
+
+    log = tmp_path / "server-000.log"
+    log.write_text(
+        "$ python -m vllm.entrypoints.openai.api_server --block-size 16\n"
+        "(Worker pid=9) ERROR 12-05 17:24:55 [multiproc_executor.py:1063]     raise ValueError(\n"
+        "RuntimeError: Worker failed with error 'No common block size for 16 (CPU_ATTN: [MultipleOf(32)]).', please "
+        "check the stack trace above for the root cause\n"
+        "    raise RuntimeError(\n"
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert engine_reason(str(log)).startswith("RuntimeError: Worker failed with error 'No common block size for 16")
+    log.write_text("$ srv\nlistening soon\n")
+    assert engine_reason(str(log)) == "listening soon"

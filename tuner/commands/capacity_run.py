@@ -80,6 +80,7 @@ class CapacityRun:
                                    f"request at a time already gets p99 TBT {floor.tbt_p99_batch1.format('ms', 1000)}")
             print(f"{PROG}: error: {why}; no config can meet it here (nothing written; floor: "
                   f"{self.s.trials_dir / 'floor' / 'floor.json'})", file=sys.stderr)
+            say(f"{PROG}: stopped after {format_duration(time.monotonic() - self.s.started)}" + self.restarts_text())
             return 1
         say(f"{PROG}: study {self.s.study_name!r}: capacity (highest rate with >= 90% of requests within "
             f"{self.s.slo_text()}) of {p.trials} configs, the default included; windows of "

@@ -34,6 +34,7 @@ from tuner.trials.engine_kinds import ServerKind, vllm_resolved
 
 STARTUP_TIMEOUT_S = 600.0  # vLLM's compiled mode takes ~1.5 min to start on a 2-core CPU
 _ERROR_LINE = re.compile(r"(Error|Exception|error:|ERROR)")
+_RAISED = re.compile(r"\b[A-Z]\w*(Error|Exception): \S")
 
 
 class StartFailed(ConfigRejected):
@@ -211,9 +212,11 @@ def engine_reason(log_path: str, lines: int = 200) -> str:
                 if line.strip()]
     except OSError:
         return "no log"
-    errors = [line for line in tail if _ERROR_LINE.search(line) and not line.startswith("$ ")
-              and "root cause above" not in line]  # vLLM's last line points back at the cause
-    return (errors[-1] if errors else tail[-1] if tail else "nothing in its log")[:400]
+    # vLLM's last line points back at the cause ("See root cause above"): passed over
+    told = [line for line in tail if not line.startswith("$ ") and "root cause above" not in line]
+    raised = [line for line in told if _RAISED.search(line)]  # an exception's own message
+    errors = [line for line in told if _ERROR_LINE.search(line)]
+    return (raised or errors or tail or ["nothing in its log"])[-1][:400]
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
