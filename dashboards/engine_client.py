@@ -13,11 +13,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from engine.knobs import KNOB_BY_NAME
+from tuner.trials.engine_metrics import SLOTUNE_SERIES, gauges_by_label, histogram_buckets  # the one reader
 
-ITL_METRIC = "slotune_inter_token_latency_seconds"
+ITL_METRIC = SLOTUNE_SERIES.inter_token_latency
 TIMEOUT_S = 3.0
 DEFAULT_KEEP_STEPS = 1000
 LATEST = 2**62  # since=LATEST: no records, only the engine's last step number
@@ -60,29 +59,8 @@ class HistogramBuckets:
 
 def parse_histogram(metrics_text: str, name: str, labels: dict[str, str] | None = None) -> HistogramBuckets:
     """The buckets of histogram `name` (with these labels) in a Prometheus exposition; empty if absent."""
-    pairs: list[tuple[float, float]] = []
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name != name:
-            continue
-        for sample in family.samples:
-            if sample.name != name + "_bucket":
-                continue
-            extra = {k: v for k, v in sample.labels.items() if k != "le"}
-            if labels is not None and extra != labels:
-                continue
-            pairs.append((float(sample.labels["le"]), float(sample.value)))
-    pairs.sort()
-    return HistogramBuckets([u for u, _ in pairs], [c for _, c in pairs])
-
-
-def parse_gauges(metrics_text: str, name: str, label: str) -> dict[str, float]:
-    """{label value: sample value} of the gauge `name` (e.g. slotune_knob by `name`)."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name == name:
-            for sample in family.samples:
-                out[sample.labels.get(label, "")] = float(sample.value)
-    return out
+    buckets = histogram_buckets(metrics_text, name, labels)
+    return HistogramBuckets(list(buckets), list(buckets.values()))
 
 
 @dataclass
@@ -173,9 +151,9 @@ class LiveFeed:
         if config is not None:
             knobs, generation, source = dict(config.get("config") or {}), config.get("generation"), "admin"
         else:
-            gauges = parse_gauges(text, "slotune_config_generation", "")
+            gauges = gauges_by_label(text, "slotune_config_generation", "")
             knobs = {k: KNOB_BY_NAME[k].from_number(v) if k in KNOB_BY_NAME else v
-                     for k, v in parse_gauges(text, "slotune_knob", "name").items()}
+                     for k, v in gauges_by_label(text, "slotune_knob", "name").items()}
             generation = int(gauges[""]) if "" in gauges else None
             source = "metrics"
         return LiveSnapshot(steps=steps, itl=itl, knobs=knobs, generation=generation, knobs_source=source,

@@ -187,6 +187,16 @@ def flag_words(flag: str, value: Any) -> list[str]:
     return [flag, "none" if value is None else str(value)]
 
 
+# The knobs a report line shows by default (the scheduling knobs the tuner searches).
+REPORTED_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "block_size", "prefill_token_ratio",
+                  "preemption_mode")
+
+
+def short_knobs(knobs: dict[str, Any], names: list[str] | None = None) -> str:
+    """``seqs=8 budget=128 ...``: the knobs by their short labels."""
+    return " ".join(f"{short_label(k)}={knobs[k]}" for k in names or REPORTED_KNOBS if k in knobs)
+
+
 def short_label(name: str) -> str:
     return KNOB_BY_NAME[name].label if name in KNOB_BY_NAME else name
 

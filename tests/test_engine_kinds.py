@@ -62,6 +62,9 @@ def test_a_knob_at_its_value_becomes_the_engines_flag() -> None:
 def test_one_reader_for_slotunes_and_vllms_series() -> None:
     assert histogram_buckets(VLLM_METRICS, VLLM_SERIES.inter_token_latency) == {0.025: 11.0, 0.05: 32.0,
                                                                                math.inf: 33.0}
+    assert histogram_buckets(VLLM_METRICS, VLLM_SERIES.inter_token_latency,
+                             {"engine": "1", "model_name": "SmolLM2-135M-Instruct"}) == {0.025: 1.0, 0.05: 2.0,
+                                                                                          math.inf: 2.0}
     assert queued(VLLM_METRICS, VLLM_SERIES) == 7.0
     # a series the server lacks reads as not reported, never as zero
     assert queued(VLLM_METRICS, SLOTUNE_SERIES) is None

@@ -10,14 +10,11 @@ from typing import Any
 import optuna
 import yaml
 
-from engine.knobs import KNOBS, flag_words, short_label
+from engine.knobs import KNOBS, flag_words, short_knobs
 from slotune.slo import SLO
 from slotune.units import format_duration
 from tuner.search.study import feasible, measured
 
-# The knobs a report line shows by default (the scheduling knobs the tuner searches).
-REPORTED_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "block_size", "prefill_token_ratio",
-                  "preemption_mode")
 HF_NAMES = {"SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 MEASURE_KEYS = ("goodput_rps", "goodput_tokens_per_s", "attainment", "tbt_p50", "tbt_p99", "ttft_p50", "ttft_p99",
                 "e2e_p99", "throughput_rps", "offered_rps", "requests", "completed")
@@ -175,12 +172,6 @@ def _esc(s: Any) -> str:
     return str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
-def short_knobs(knobs: dict[str, Any], names: list[str] | None = None) -> str:
-    """``seqs=8 budget=128 ...``: the knobs by their short labels (engine.knobs)."""
-    names = names or list(REPORTED_KNOBS)
-    return " ".join(f"{short_label(k)}={knobs[k]}" for k in names if k in knobs)
-
-
 def _hover(t: optuna.trial.FrozenTrial) -> str:
     s = t.user_attrs.get("summary") or {}
     return (f"#{t.number} {short_knobs(t.user_attrs.get('knobs', {}))}<br>value {t.values[0]:.3f}"
@@ -198,4 +189,4 @@ def _row(t: optuna.trial.FrozenTrial) -> str:
     return "<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in cells) + "</tr>"
 
 
-__all__ = ["write_tuned_yaml", "write_report", "write_vllm", "vllm_command", "short_knobs", "measurement"]
+__all__ = ["write_tuned_yaml", "write_report", "write_vllm", "vllm_command", "measurement"]

@@ -22,7 +22,8 @@ from slotune.slo import SLO
 from tuner.measure.capacity import MIN_RATE, CapacitySearcher, Shown, capacity_searcher, measurement_spec
 from tuner.measure.floor import measure_floor
 from tuner.measure.measurement import Measurement
-from tuner.output import short_knobs, write_report, write_tuned_yaml, write_vllm
+from engine.knobs import short_knobs
+from tuner.output import write_report, write_tuned_yaml, write_vllm
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.search.confirmation import confirmed_rows
 from tuner.search.study import ROLE_DEFAULT, TrialReport, longest_trial_s, measured, run_trials, starts_in_time

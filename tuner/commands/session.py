@@ -18,7 +18,8 @@ from policies import Policy
 from tuner.trials.engine_handle import ConfigRejected, EngineError, EngineHandle, ManagedEngine
 from tuner.trials.engine_kinds import ServerKind
 from tuner.trials.restarted_engine import RestartedEngine
-from tuner.output import short_knobs, write_report, write_tuned_yaml, write_vllm
+from engine.knobs import short_knobs
+from tuner.output import write_report, write_tuned_yaml, write_vllm
 from tuner.search.auto_rate import choose_rate
 from tuner.search.study import (ROLE_DEFAULT, TrialReport, best_trial, closest_trial, counted_trials,
                          default_trial, enqueue_default, open_study, recover_orphans, run_trials,

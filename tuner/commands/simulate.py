@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tuner.simulation.simulator import simulate_load
     from tuner.simulation.simulator_trial import write_trial_folder
-    from tuner.measure.step_stats import step_stats
+    from tuner.trials.step_stats import step_stats
     from tuner.trials.trial_runner import TrialOutcome, feasibility
 
     limits = limits_of(model)

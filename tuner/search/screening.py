@@ -21,7 +21,7 @@ import optuna
 from slotune.slo import SLO
 from policies import Policy
 from tuner.search.objective import goodput, suggest_knobs
-from tuner.output import short_knobs
+from engine.knobs import short_knobs
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.simulation.step_time_model import StepTimeModel
 from tuner.trials.engine_handle import EngineError, EngineHandle

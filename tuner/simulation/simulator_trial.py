@@ -19,7 +19,7 @@ from slotune.slo import SLO
 from loadtest.summary import write_summary
 from policies import WorkloadSpec
 from tuner.simulation.simulator import DEFAULT_LIMITS, SimResult, StepTimer, simulate_load
-from tuner.measure.step_stats import step_stats, window_steps
+from tuner.trials.step_stats import step_stats, window_steps
 from tuner.trials.trial_backend import load_config_for
 from tuner.trials.trial_runner import TRIAL_FORMAT, TrialOutcome, feasibility
 
@@ -47,7 +47,7 @@ def write_trial_folder(out_dir: Path, result: SimResult, summary: dict[str, Any]
 class SimTrialRunner:
     """TrialRunner's interface on the simulator: ``run(knobs, out_dir, rate)`` -> TrialOutcome (simulated).
     The window is [warmup, warmup + duration) of the schedule and its step records those from the window's opening
-    to the end of the run (tuner.measure.step_stats.window_steps), as in a real trial."""
+    to the end of the run (tuner.trials.step_stats.window_steps), as in a real trial."""
 
     timer: StepTimer
     limits: ModelLimits = DEFAULT_LIMITS

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 
 from tuner.trials.engine_handle import ManagedEngine
-from tuner.simulation.simulator_trial import SimTrialRunner
+from tuner.trials.trial_backend import TrialBackend
 from tuner.trials.trial_runner import TrialRunner
 
 
@@ -35,10 +35,10 @@ NORMAL = Arrangement("normal", False)
 SEPARATE = Arrangement("separate", False, separate=True)
 
 
-def candidates(runner: TrialRunner | SimTrialRunner) -> list[Arrangement]:
+def candidates(runner: TrialBackend) -> list[Arrangement]:
     """The arrangements worth trying here: none for a simulated engine; separate cores only with >= 2 cores and an
     engine tune started."""
-    if isinstance(runner, SimTrialRunner):
+    if not isinstance(runner, TrialRunner):  # a simulated engine: no load generator beside it
         return []
     out = [REALTIME, NORMAL]
     if len(os.sched_getaffinity(0)) >= 2 and isinstance(runner.engine, ManagedEngine):
@@ -59,9 +59,9 @@ def set_affinity(pid: int, cpus: set[int]) -> None:
             pass
 
 
-def apply(runner: TrialRunner | SimTrialRunner, arrangement: Arrangement) -> None:
+def apply(runner: TrialBackend, arrangement: Arrangement) -> None:
     """Arrange the runner's load generator (and the engine it owns) as ``arrangement`` says."""
-    if isinstance(runner, SimTrialRunner):
+    if not isinstance(runner, TrialRunner):
         return
     cpus = sorted(os.sched_getaffinity(0))
     runner.realtime = arrangement.realtime

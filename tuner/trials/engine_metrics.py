@@ -30,17 +30,31 @@ VLLM_SERIES = EngineSeries("vllm:inter_token_latency_seconds", "vllm:time_to_fir
                            "vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
-def histogram_buckets(metrics_text: str, name: str) -> dict[float, float]:
-    """{upper bound in s: cumulative count} of histogram ``name`` summed over its labels (+Inf included); empty
-    when the text has no such histogram."""
+def histogram_buckets(metrics_text: str, name: str, labels: dict[str, str] | None = None) -> dict[float, float]:
+    """{upper bound: cumulative count} of histogram ``name`` (+Inf included), summed over its series, or only the
+    series whose labels (``le`` aside) are exactly ``labels``; empty when the text has no such histogram."""
     out: dict[float, float] = {}
     for family in text_string_to_metric_families(metrics_text):
         if family.name != name:
             continue
         for s in family.samples:
-            if s.name == name + "_bucket":
-                bound = float(s.labels["le"])
-                out[bound] = out.get(bound, 0.0) + s.value
+            if s.name != name + "_bucket":
+                continue
+            if labels is not None and {k: v for k, v in s.labels.items() if k != "le"} != labels:
+                continue
+            bound = float(s.labels["le"])
+            out[bound] = out.get(bound, 0.0) + s.value
+    return dict(sorted(out.items()))
+
+
+def gauges_by_label(metrics_text: str, name: str, label: str) -> dict[str, float]:
+    """{value of ``label``: sample value} of gauge ``name`` ("" for a series without the label)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == name:
+            for s in family.samples:
+                if s.name == name:
+                    out[s.labels.get(label, "")] = float(s.value)
     return out
 
 

@@ -43,7 +43,7 @@ from tuner.trials.restarted_engine import RestartedEngine, StartFailed
 from tuner.trials.host_load import BUSY_CORES, HostLoad, busy_reason, is_local, serving_pid
 from tuner.trials.step_collector import STEP_POLL_S, StepCollector
 from tuner.trials.pruning import PruneWatcher
-from tuner.measure.step_stats import step_stats, window_steps
+from tuner.trials.step_stats import step_stats, window_steps
 from tuner.trials.trial_backend import load_config_for
 
 __all__ = ["TrialOutcome", "TrialRunner", "step_stats", "TRIAL_FORMAT", "feasibility"]
@@ -64,7 +64,7 @@ def check_stop() -> None:
 class TrialOutcome:
     knobs: dict[str, Any]          # every knob applied (full config, not only the searched ones)
     summary: dict[str, Any]        # the loadtest summary dict (loadtest.summary.summarize), empty if none
-    step_stats: dict[str, float]   # see tuner.measure.step_stats.STEP_STATS_KEYS
+    step_stats: dict[str, float]   # see tuner.trials.step_stats.STEP_STATS_KEYS
     feasible: bool
     reason: str | None             # why infeasible / failed (None when feasible)
     out_dir: Path | None
