@@ -229,20 +229,16 @@ class NativeStack:
     engine_env: dict[str, str] = field(default_factory=lambda: {"OMP_NUM_THREADS": "1"})  # a core each
 
     def __post_init__(self) -> None:
-        from slotune.cli import SUBCOMMANDS
-
         self.engines: list[SubprocessServer] = []
         self.prometheus: Prometheus | None = None
         self.controller: subprocess.Popen[bytes] | None = None
-        self.controller_port = free_port() if "control" in SUBCOMMANDS else None
+        self.controller_port = free_port()
         try:
             self._start_engines()
-            targets = {"slotune-engine": [e.url.removeprefix("http://") for e in self.engines]}
-            if self.controller_port is not None:
-                targets["slotune-controller"] = [f"127.0.0.1:{self.controller_port}"]
+            targets = {"slotune-engine": [e.url.removeprefix("http://") for e in self.engines],
+                       "slotune-controller": [f"127.0.0.1:{self.controller_port}"]}
             self.prometheus = Prometheus(targets)
-            if self.controller_port is not None:
-                self._start_controller()
+            self._start_controller()
         except BaseException:
             self.stop()
             raise
@@ -264,7 +260,7 @@ class NativeStack:
             raise errors[0]
 
     def _start_controller(self) -> None:
-        assert self.prometheus is not None and self.controller_port is not None
+        assert self.prometheus is not None
         services = compose({"SLOTUNE_ADMIN_TOKEN": self.admin_token, "POSTGRES_PASSWORD": "-",
                             "GRAFANA_ADMIN_PASSWORD": "-"})["services"]
         command = services["controller"]["command"]
