@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -166,3 +167,29 @@ def test_a_policy_with_values_vllms_cpu_build_refuses_is_stopped_before_any_star
                                        r"multiples of 32 \(policies/vllm-cpu.yaml"):
         check_vllm_values(load_policy(None))
     check_vllm_values(load_policy(str(REPO / "policies" / "vllm-cpu.yaml")))
+
+
+def test_a_long_measurement_shows_a_live_line_on_a_terminal_and_nothing_in_a_log() -> None:
+    import io
+    import time
+
+    from tuner.commands.progress import LiveLine, say
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    progress = {"knobs": {"max_num_seqs": 6, "max_num_batched_tokens": 32, "kv_cache_bytes": 1}, "rate": 2.5,
+                "elapsed_s": 21.4, "duration_s": 48.0, "warmup": 3.0, "ok": 17, "in_flight": 3}
+    term, log = Terminal(), io.StringIO()
+    LiveLine(["max_num_seqs", "max_num_batched_tokens"], deadline=time.monotonic() + 600, stream=term)(progress)
+    LiveLine(["max_num_seqs"], stream=log)(progress)
+    assert log.getvalue() == ""
+    line = term.getvalue()
+    assert line.startswith("\r\033[K  measuring seqs=6 budget=32 at 2.5 req/s: 21 of 48s of load (the first 3s "
+                           "warm-up), 17 finished, 3 in flight; ")
+    assert re.search(r"; (9m\d\d\.\ds|10m00\.0s) of the run's budget left$", line), line
+    say("[1/4] #0 default config", stream=term)  # a result line replaces the live line, not follows it
+    assert term.getvalue().endswith("\r\033[K[1/4] #0 default config\n")
+    say("done", stream=log)
+    assert log.getvalue() == "done\n"

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import optuna
 
 from slotune.units import format_duration
+from tuner.commands.progress import PROG, LiveLine, say
 from slotune.slo import SLO
 from tuner.measure.capacity import MIN_RATE, CapacitySearcher, Shown, capacity_searcher, measurement_spec
 from tuner.measure.floor import measure_floor
@@ -39,12 +40,7 @@ if TYPE_CHECKING:
     from tuner.simulation.step_time_model import StepTimeModel
     from tuner.trials.restarted_engine import RestartedEngine
 
-PROG = "tune"
 SCREENED = 40  # configs the simulator screens for capacity when --screen is not given
-
-
-def say(text: str) -> None:
-    print(text, flush=True)
 
 
 class CapacityRun:
@@ -61,6 +57,8 @@ class CapacityRun:
         self.plan = VerdictPlan.of(self.p)
         self.floor: dict[str, Any] = {}
         self.rescreen: Rescreen | None = None  # the screen kept at the engine's speed
+        if isinstance(runner, TrialRunner):  # on a terminal: a live line while the load runs
+            runner.on_progress = LiveLine([k.name for k in self.p.search_space], session.started + self.p.time_budget)
 
     def probe_line(self, m: Measurement) -> None:
         say(f"    {m.rate:.3g} req/s: {m.describe()}")

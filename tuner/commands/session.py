@@ -14,6 +14,7 @@ import optuna
 from optuna.trial import TrialState
 
 from slotune.units import format_duration
+from tuner.commands.progress import PROG, say
 from policies import Policy
 from tuner.trials.engine_handle import ConfigRejected, EngineError, EngineHandle, ManagedEngine
 from tuner.trials.engine_kinds import ServerKind
@@ -30,11 +31,6 @@ from tuner.trials.trial_runner import TrialOutcome, TrialRunner
 if TYPE_CHECKING:
     from tuner.search.rescreen import Rescreen
 
-PROG = "tune"
-
-
-def say(text: str) -> None:
-    print(text, flush=True)
 
 
 class TuneSession:

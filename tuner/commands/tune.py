@@ -27,8 +27,7 @@ from typing import Any, NoReturn
 from policies import OBJECTIVES, SAMPLERS, Policy, PolicyError, load_policy
 from tuner.commands.engines import add_engine_flags, check_engine_args
 from tuner.commands.flags import CliError, check_workload, duration_arg
-
-PROG = "tune"
+from tuner.commands.progress import PROG
 
 
 NO_TARGET = -1.0  # --slo-p99-ttft none: drop the policy's target

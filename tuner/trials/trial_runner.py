@@ -195,7 +195,7 @@ class TrialRunner:
         collector = StepCollector(self.handle, first_step, self.step_poll_s)
         watch = _LoadWatch(self, collector, PruneWatcher(self.slo.tbt_p99, self.pruning, duration)
                            if prune and self.pruning is not None and self.pruning.enabled and self.slo.tbt_p99
-                           else None)
+                           else None, {"knobs": knobs, "rate": rate, "warmup": self.warmup})
         load_error = None
         host = self._host_load().start()
         try:
@@ -329,8 +329,10 @@ class _LoadWatch:
     """A trial's load-test progress: handed on to the runner's ``on_progress``; the engine's inter-token histogram
     taken as the window opens; the step records read on as they are made; the load stopped when tune stops, or when ``watcher`` judges the window lost."""
 
-    def __init__(self, runner: TrialRunner, collector: StepCollector, watcher: PruneWatcher | None) -> None:
+    def __init__(self, runner: TrialRunner, collector: StepCollector, watcher: PruneWatcher | None,
+                 context: dict[str, Any]) -> None:
         self.runner, self.collector, self.watcher = runner, collector, watcher
+        self.context = context  # what is being measured, handed on with each progress report
         self.itl_start: dict[float, float] | None = None
         self.stopped_at: float | None = None  # seconds into the load test when the pruner stopped it
         self.ended_at = math.inf  # when the load test ended (wall clock)
@@ -339,7 +341,7 @@ class _LoadWatch:
     def __call__(self, p: dict[str, Any]) -> None:
         runner = self.runner
         if runner.on_progress is not None:
-            runner.on_progress(p)
+            runner.on_progress({**p, **self.context})
         elapsed_s = float(p.get("elapsed_s", 0.0))
         if self.itl_start is None and elapsed_s >= runner.warmup:
             self.itl_start = runner._itl_snapshot()  # the engine's inter-token histogram as the window opens

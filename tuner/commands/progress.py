@@ -1,0 +1,50 @@
+"""What ``tune`` says as it goes: its lines, and on a terminal a live line during a long measurement (what is being
+measured, how far its load has run, how much of the run's time budget is left). A log or a pipe gets the lines
+alone: the live line is drawn only where it can be redrawn in place."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from engine.knobs import short_knobs
+from slotune.units import format_duration
+
+PROG = "tune"
+_CLEAR = "\r\033[K"  # back to the line's start, and erase it
+
+
+def _live(stream: TextIO) -> bool:
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
+def say(text: str, stream: TextIO | None = None) -> None:
+    """One of tune's lines (over the live line, where one is drawn)."""
+    out = stream or sys.stdout
+    print((_CLEAR if _live(out) else "") + text, file=out, flush=True)
+
+
+@dataclass
+class LiveLine:
+    """The load test's progress (TrialRunner.on_progress) as one line redrawn in place."""
+
+    names: list[str]  # the knobs the line names (the searched ones)
+    deadline: float | None = None  # time.monotonic() when the run's time budget ends
+    stream: TextIO | None = None
+
+    def __call__(self, progress: dict[str, Any]) -> None:
+        out = self.stream or sys.stdout
+        if _live(out):
+            out.write(_CLEAR + self.text(progress))
+            out.flush()
+
+    def text(self, p: dict[str, Any]) -> str:
+        knobs = short_knobs(p.get("knobs") or {}, self.names) or "the config"
+        line = (f"  measuring {knobs} at {float(p.get('rate') or 0.0):.3g} req/s: {float(p.get('elapsed_s') or 0.0):.0f}"
+                f" of {float(p.get('duration_s') or 0.0):.0f}s of load (the first {float(p.get('warmup') or 0.0):.0f}s "
+                f"warm-up), {int(p.get('ok') or 0)} finished, {int(p.get('in_flight') or 0)} in flight")
+        if self.deadline is not None:
+            line += f"; {format_duration(max(0.0, self.deadline - time.monotonic()))} of the run's budget left"
+        return line
