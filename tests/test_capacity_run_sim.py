@@ -4,7 +4,6 @@ configs, the paired verdict, tuned.yaml) on the simulator standing in for the en
 from __future__ import annotations
 
 import math
-import os
 import re
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 import yaml
 
 from slotune.slo import SLO
+from tests import trace_files
 from policies import load_policy
 from tuner.commands.capacity_run import CapacityRun
 from tuner.commands.tune import build_parser
@@ -175,12 +175,10 @@ def test_when_nothing_was_shown_served_the_last_lines_tell_undecided_from_missed
     assert "every rate probed was missed: try a looser target" in capsys.readouterr().err
 
 
-# the real traces: $SLOTUNE_TRACES, else a shared/traces folder beside the clone
-TRACES = Path(os.environ.get("SLOTUNE_TRACES") or Path(__file__).resolve().parents[2] / "shared" / "traces")
-CONV = TRACES / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
+# the real conversation trace: the full one where present, else the excerpt the repository ships
+CONV = trace_files.CONV.path
 
 
-@pytest.mark.skipif(not CONV.exists(), reason=f"real traces not found at {CONV}")
 def test_on_a_trace_every_arrival_draw_replays_its_own_segment_the_same_for_every_config(tmp_path: Path) -> None:
     """The floor and every measurement pool windows of fresh draws: on a trace each draw is another stretch of it
     (the trace's start alone holds one request in the floor's first window at 1 req/s), and within a draw every

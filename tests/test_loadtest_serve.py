@@ -27,11 +27,12 @@ from loadtest.config import LoadConfig
 from loadtest.runner import run_loadtest
 from loadtest.schedule import build_schedule
 from loadtest.tokens import PromptBuilder, TokenSpace
+from tests import trace_files
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-CONV = REPO.parent / "shared" / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
+CONV = trace_files.CONV.path  # the full trace where present, else the excerpt the repository ships
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,6 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float:
     return prev_le
 
 
-@pytest.mark.skipif(not CONV.exists(), reason="real traces not found")
 def test_trace_replay_at_20_rps_sends_on_time(server, tmp_path):
     cfg = LoadConfig(url=server, workload=str(CONV), rate=35.0, length_scale=0.05, duration=15.0,
                      drain_timeout=180.0, out=str(tmp_path / "trace"))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -15,14 +14,14 @@ from loadtest.config import LoadConfig
 from loadtest.schedule import build_schedule
 from loadtest.tokens import PromptBuilder, TokenSpace
 from loadtest.traces import AzureTraceWorkload, MooncakeTraceWorkload
+from tests import trace_files
 from loadtest.workloads import (LengthOptions, MixedWorkload,
                                 PrefixWorkload, parse_mix)
 
 REPO = Path(__file__).resolve().parents[1]
-# the real traces: $SLOTUNE_TRACES, else a shared/traces folder beside the clone
-TRACES = Path(os.environ.get("SLOTUNE_TRACES") or REPO.parent / "shared" / "traces") / "azure2023"
-CODE, CONV = TRACES / "AzureLLMInferenceTrace_code.csv", TRACES / "AzureLLMInferenceTrace_conv.csv"
-needs_traces = pytest.mark.skipif(not CONV.exists(), reason=f"real traces not found at {TRACES}")
+# the real traces: the full ones where present, else the excerpts the repository ships (tests/trace_files.py)
+CODE_TRACE, CONV_TRACE = trace_files.CODE, trace_files.CONV
+CODE, CONV = CODE_TRACE.path, CONV_TRACE.path
 
 
 def take(workload, n):
@@ -73,13 +72,13 @@ def test_length_scale_and_clipping():
     assert w.clipped == sum(s.kind != "short" for s in specs)  # 512+128 and 2048+256 exceed 600
 
 
-@needs_traces
-@pytest.mark.parametrize("path,rows,rate", [(CODE, 8819, 2.57), (CONV, 19366, 5.53)])
-def test_azure_traces_parse(path, rows, rate):
+@pytest.mark.parametrize("trace", [CODE_TRACE, CONV_TRACE], ids=["code", "conv"])
+def test_azure_traces_parse(trace):
+    path = trace.path
     w = AzureTraceWorkload(str(path))
-    assert len(w.rows) == rows
+    assert len(w.rows) == trace.rows
     assert w.rows[0].time == 0.0 and all(a.time <= b.time for a, b in zip(w.rows, w.rows[1:]))
-    assert w.mean_rate == pytest.approx(rate, abs=0.01)  # the README's figures
+    assert w.mean_rate == pytest.approx(trace.mean_rate, abs=0.01)  # the traces' README figures
     with open(path) as f:
         f.readline()
         first = f.readline().strip().split(",")
@@ -88,10 +87,9 @@ def test_azure_traces_parse(path, rows, rate):
     if path == CONV:  # second row: 2023-11-16 18:15:50.9951690, first 18:15:46.6805900 -> 4.3145790 s apart
         assert w.rows[1].time == pytest.approx(4.314579, abs=1e-6)
         prompts = np.array([r.prompt for r in w.rows])
-        assert np.percentile(prompts, 50) == pytest.approx(1020, abs=1)
+        assert np.percentile(prompts, 50) == pytest.approx(trace.prompt_p50, abs=1)
 
 
-@needs_traces
 def test_trace_schedule_time_scale_rate_and_limits():
     path = str(CONV)
     s = build_schedule(LoadConfig(workload=path, duration=120.0, time_scale=2.0))
@@ -101,7 +99,7 @@ def test_trace_schedule_time_scale_rate_and_limits():
     assert [r.at for r in s.requests] == pytest.approx([r.time * 2.0 for r in w.rows[:n]])
     # --rate rescales the trace to that mean rate
     s = build_schedule(LoadConfig(workload=path, duration=600.0, rate=2.0))
-    assert s.meta["time_scale"] == pytest.approx(5.53 / 2.0, rel=0.01)
+    assert s.meta["time_scale"] == pytest.approx(CONV_TRACE.mean_rate / 2.0, rel=0.01)
     assert s.meta["offered_rps"] == pytest.approx(2.0, rel=0.25)
     # a request limit and a length scale with clipping
     s = build_schedule(LoadConfig(workload=path, duration=600.0, max_requests=25, length_scale=0.5, max_context=512))
@@ -112,7 +110,6 @@ def test_trace_schedule_time_scale_rate_and_limits():
     assert [(r.prompt_len, r.output_len) for r in s.requests] == [(x.prompt, x.output) for x in w.rows[:len(s)]]
 
 
-@needs_traces
 def test_trace_segment_seed_draws_another_segment_at_the_same_rate():
     """A fresh arrival draw of a trace is another segment of it: the same seed the same segment (common random
     numbers), another seed another one; the rate is the whole trace's, so segments differ only as the trace does."""
@@ -123,7 +120,7 @@ def test_trace_segment_seed_draws_another_segment_at_the_same_rate():
     b = build_schedule(LoadConfig(**{**base.to_dict(), "trace_segment_seed": 3}))
     c = build_schedule(LoadConfig(**{**base.to_dict(), "trace_segment_seed": 4}))
     assert [(r.at, r.prompt_len) for r in a.requests] == [(r.at, r.prompt_len) for r in b.requests]
-    assert a.meta["time_scale"] == first.meta["time_scale"] == pytest.approx(5.53, rel=0.01)
+    assert a.meta["time_scale"] == first.meta["time_scale"] == pytest.approx(CONV_TRACE.mean_rate, rel=0.01)
     w = AzureTraceWorkload(path)
     needed = 60.0 / a.meta["time_scale"]
     for s in (a, c):
