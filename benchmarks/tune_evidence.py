@@ -253,7 +253,7 @@ def simulated(out: Path, seeds: tuple[int, ...]) -> dict[str, Any]:
         t0 = time.monotonic()
         log = io.StringIO()
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            rc = CapacityRun(session, sim, study, "sim").run()
+            rc = CapacityRun(session.context(), sim, study, "sim").run()
         (folder / "tune.log").write_text(log.getvalue())
         run = {"seed": seed, "rc": rc, "seconds": time.monotonic() - t0,
                "last_line": (log.getvalue().strip().splitlines() or [""])[-1]} | read_run(folder)

@@ -40,7 +40,7 @@ def run_on_the_simulator(tmp_path: Path, tbt: float, capsys: pytest.CaptureFixtu
                          warmup=policy.warmup, slo=SLO(tbt, 2.0), seed=policy.seed)
     study = open_study(storage, session.study_name, policy)
     enqueue_default(study)
-    rc = CapacityRun(session, sim, study, "sim").run()
+    rc = CapacityRun(session.context(), sim, study, "sim").run()
     captured = capsys.readouterr()
     return rc, captured.out, captured.err
 
@@ -151,7 +151,7 @@ def test_when_nothing_was_shown_served_the_last_lines_tell_undecided_from_missed
     model = StepTimeModel.load(profile_path(None))
     sim = SimTrialRunner(model, limits=limits_of(model), workload=policy.workload, duration=policy.trial_duration,
                          warmup=policy.warmup, slo=SLO(0.05, 2.0))
-    run = CapacityRun(session, sim, study, "sim")
+    run = CapacityRun(session.context(), sim, study, "sim")
 
     def add(role: str, probes: list[tuple[float, str]], stopped: str) -> None:
         cap = {"bracket": [0.0, min(r for r, _ in probes)], "stopped": stopped,

@@ -19,6 +19,7 @@ import optuna
 
 from slotune.units import format_duration
 from tuner.commands.progress import PROG, LiveLine, say
+from tuner.commands.run_context import RunContext
 from slotune.slo import SLO
 from tuner.measure.capacity import MIN_RATE, CapacitySearcher, Shown, capacity_searcher, measurement_spec
 from tuner.measure.floor import measure_floor
@@ -35,7 +36,6 @@ from tuner.measure.verdict_report import verdict_line
 from tuner.measure.verdict_plan import VerdictPlan, sample_of
 
 if TYPE_CHECKING:
-    from tuner.commands.session import TuneSession
     from tuner.search.rescreen import Rescreen
     from tuner.simulation.step_time_model import StepTimeModel
     from tuner.trials.restarted_engine import RestartedEngine
@@ -44,21 +44,21 @@ SCREENED = 40  # configs the simulator screens for capacity when --screen is not
 
 
 class CapacityRun:
-    def __init__(self, session: "TuneSession", runner: TrialRunner | SimTrialRunner, study: optuna.Study,
+    def __init__(self, context: RunContext, runner: TrialRunner | SimTrialRunner, study: optuna.Study,
                  model: str | None) -> None:
-        self.s = session
-        self.p = session.policy
+        self.s = context
+        self.p = context.policy
         self.runner = runner
         self.study = study
         self.model = model
         self.searcher: CapacitySearcher = capacity_searcher(runner, self.p)
         self.searcher.on_probe = self.probe_line
-        self.searcher.draw = session.draws.search
+        self.searcher.draw = context.draws.search
         self.plan = VerdictPlan.of(self.p)
         self.floor: dict[str, Any] = {}
         self.rescreen: Rescreen | None = None  # the screen kept at the engine's speed
         if isinstance(runner, TrialRunner):  # on a terminal: a live line while the load runs
-            runner.on_progress = LiveLine([k.name for k in self.p.search_space], session.started + self.p.time_budget)
+            runner.on_progress = LiveLine([k.name for k in self.p.search_space], context.started + self.p.time_budget)
 
     def probe_line(self, m: Measurement) -> None:
         say(f"    {m.rate:.3g} req/s: {m.describe()}")
@@ -125,7 +125,7 @@ class CapacityRun:
         from tuner.search.rescreen import Rescreen, rescale_text, speed_scale
         from tuner.search.screening import SCREEN_DRAWS, SCREEN_REDRAWN, engine_dtype, load_profile, screen_capacity
 
-        n = getattr(self.s.args, "screen", None) or SCREENED
+        n = self.s.screen or SCREENED
         top = max(0, self.p.trials - 1)
         kind = self.s.kind
         if kind is not None and kind.name != "slotune":
@@ -311,7 +311,7 @@ class CapacityRun:
         line = verdict_line(result, p.slo.words())
         report = s.out.with_suffix(".html")
         vllm_path = s.out.with_suffix(".vllm.txt")
-        kind = s.kind.name if s.kind is not None else "slotune"
+        kind = s.engine_name
         vllm = write_vllm(vllm_path, chosen.knobs, self.model, kind)
         evidence: dict[str, Any] = {"verdict": result.as_dict(), "verdict_line": line, "floor": self.floor,
                                     "tuned_is_default": chosen is result.default, "held": held,
@@ -319,7 +319,7 @@ class CapacityRun:
         write_tuned_yaml(s.out, knobs=chosen.knobs, slo=p.slo.as_dict(), workload=p.workload.as_dict(), rate=0.0,
                          rate_reason="capacity objective: the rate is searched per config", objective=p.objective,
                          model=self.model, study_name=s.study_name,
-                         storage=str(getattr(s.storage, "url", type(s.storage).__name__)), tuned=None, default=None,
+                         storage=s.storage_url, tuned=None, default=None,
                          remeasured=None, vllm=vllm, report=report, trials=len(self.study.trials),
                          capacity=capacity_section(result, chosen), evidence=evidence)
         write_report(report, self.study, p.slo.as_dict(), f"tune: {s.study_name}", [line])
@@ -333,7 +333,7 @@ class CapacityRun:
     def apply(self, chosen: Contender) -> int:
         """--apply: the config written as tuned left applied in the engine at --engine-url."""
         s = self.s
-        if not getattr(s.args, "apply", False) or s.handle is None or s.restarted is not None:
+        if not s.apply or s.handle is None or s.restarted is not None:
             return 0
         try:
             applied = s.handle.patch_config(chosen.knobs)

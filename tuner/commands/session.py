@@ -14,7 +14,9 @@ import optuna
 from optuna.trial import TrialState
 
 from slotune.units import format_duration
+from tuner.commands.capacity_run import CapacityRun
 from tuner.commands.progress import PROG, say
+from tuner.commands.run_context import RunContext
 from policies import Policy
 from tuner.trials.engine_handle import ConfigRejected, EngineError, EngineHandle, ManagedEngine
 from tuner.trials.engine_kinds import ServerKind
@@ -144,10 +146,17 @@ class TuneSession:
             return 1
         return self.finish(study, runner, model, rate, rate_reason)
 
+    def context(self) -> RunContext:
+        """What the objective's runner needs of this run."""
+        return RunContext(self.policy, self.study_name, self.storage_url(), self.out, self.trials_dir, self.started,
+                          self.draws, getattr(self.args, "screen", None), bool(getattr(self.args, "apply", False)),
+                          self.handle, self.kind, self.restarted)
+
+    def storage_url(self) -> str:
+        return str(getattr(self.storage, "url", type(self.storage).__name__))
+
     def run_capacity(self, study: optuna.Study, runner: TrialRunner, model: str | None) -> int:
         """The default objective: capacity per config, the paired verdict (tuner/commands/capacity_run.py)."""
-        from tuner.commands.capacity_run import CapacityRun
-
         p = self.policy
         for k, v in {"slo": p.slo.as_dict(), "workload": p.workload.as_dict(), "objective": p.objective,
                      "model": model, "policy": p.to_dict()}.items():
@@ -156,11 +165,14 @@ class TuneSession:
         if recovered:
             say(f"{PROG}: trial(s) {', '.join(map(str, recovered))} of a run that died are marked failed and redone")
         enqueue_default(study)
+        context = self.context()
         try:
-            return CapacityRun(self, runner, study, model).run()
+            return CapacityRun(context, runner, study, model).run()
         except EngineError as error:
             print(f"{PROG}: error: {error}", file=sys.stderr)
             return 1
+        finally:
+            self.applied = context.applied  # an engine the tuned config was applied to keeps it on the way out
 
     def screen(self, study: optuna.Study, runner: TrialRunner) -> None:
         """--screen N: the simulator screens N configs at the engine's measured speed and the best becomes the next
@@ -273,7 +285,7 @@ class TuneSession:
         vllm = write_vllm(vllm_path, knobs, model, kind)
         write_tuned_yaml(self.out, knobs=knobs, slo=p.slo.as_dict(), workload=p.workload.as_dict(), rate=rate,
                          rate_reason=rate_reason, objective=p.objective, model=model, study_name=self.study_name,
-                         storage=str(getattr(self.storage, "url", type(self.storage).__name__)), tuned=best,
+                         storage=self.storage_url(), tuned=best,
                          default=default, remeasured=confirm.summary, vllm=vllm, report=report,
                          trials=len(study.trials))
         lines += [f"tuned (trial #{best.number}): {short_knobs(knobs)}: {self.describe(_as_outcome(best))}",
