@@ -19,6 +19,7 @@ from dashboards.engine_client import EngineClient, EngineUnreachable, LiveFeed
 from dashboards.results import (FormatError, find_folders, in_window, load_sweep, load_trial,
                                 read_request_records, read_steps, workload_name)
 from dashboards.study import StudyUnavailable, TrialRow, load_study, open_storage, study_names
+from slotune import result_files as files
 
 PAGES = [("/curves", "Curves"), ("/study", "Study"), ("/live", "Live"), ("/trial", "Trial detail"),
          ("/controller", "Controller")]
@@ -217,7 +218,7 @@ def trial_page(settings: DashboardSettings, query: dict[str, str]) -> html.Div:
     folder = query.get("dir")
     if not folder:
         results = settings.results
-        found = find_folders(results, "trial.json") if results else []
+        found = find_folders(results, files.TRIAL) if results else []
         if results is None or not found:
             return html.Div([title, notice("no trial chosen: open one from the Study or Curves page "
                                            "(or /trial?dir=FOLDER)", "trial-empty")])

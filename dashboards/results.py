@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from slotune import result_files as files
 
 SWEEP_FORMAT = "slotune-sweep/1"
 TRIAL_FORMAT = "slotune-trial/1"
@@ -122,9 +123,9 @@ def load_sweep(folder: str | Path) -> Sweep:
 
 def load_trial(folder: str | Path) -> Trial:
     folder = Path(folder)
-    path = folder / "trial.json"
+    path = folder / files.TRIAL
     data = _check_format(_read_json(path), path, TRIAL_FORMAT)
-    summary_path = folder / "summary.json"
+    summary_path = folder / files.SUMMARY
     summary = _read_json(summary_path) if summary_path.exists() else {}
     return Trial(path=folder, knobs=dict(data.get("knobs") or {}), step_stats=dict(data.get("step_stats") or {}),
                  feasible=bool(data.get("feasible")), reason=data.get("reason"),
@@ -135,7 +136,7 @@ def load_trial(folder: str | Path) -> Trial:
 
 def read_steps(folder: str | Path) -> list[dict[str, Any]]:
     """The engine's step records of a trial folder (`steps.jsonl`); [] when the trial has none."""
-    path = Path(folder) / "steps.jsonl"
+    path = Path(folder) / files.STEPS
     if not path.exists():
         return []
     steps = []
@@ -154,7 +155,7 @@ def read_request_records(folder: str | Path) -> list[Any]:
     from loadtest.records import read_records  # the one reader of the records table
 
     folder = Path(folder)
-    for name in ("records.parquet", "records.csv"):
+    for name in (files.RECORDS, files.RECORDS_CSV):
         if (folder / name).exists():
             try:
                 return read_records(str(folder / name))

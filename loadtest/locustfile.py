@@ -36,6 +36,7 @@ from loadtest.schedule import build_schedule
 from loadtest.summary import format_summary_table, summarize, write_summary
 from loadtest.tokens import TokenSpace
 from loadtest.workloads import RequestSpec
+from slotune import result_files as files
 
 log = logging.getLogger("slotune.loadtest")
 START_LEAD_S = 1.0  # the schedule starts this long after the plan is sent, so every process is ready
@@ -223,7 +224,7 @@ class Collector:
         os.makedirs(self.out, exist_ok=True)
         ext = "csv" if self.cfg.records_format == "csv" else "parquet"
         write_records(os.path.join(self.out, f"records.{ext}"), recs, meta=meta)
-        write_summary(os.path.join(self.out, "summary.json"), summary)
+        write_summary(os.path.join(self.out, files.SUMMARY), summary)
         if PROGRESS == "json":
             print("SLOTUNE_DONE " + json.dumps({"out": self.out}), flush=True)
         else:

@@ -22,6 +22,7 @@ from typing import IO, Callable
 
 from loadtest.config import OPTIONS, LoadConfig, to_argv
 from loadtest.schedule import build_schedule
+from slotune import result_files as files
 
 LOCUSTFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "locustfile.py")
 STARTUP_ALLOWANCE_S = 60.0  # Locust start-up, workers connecting, the plan going out
@@ -145,7 +146,7 @@ def _fresh_output(cfg: LoadConfig) -> LoadConfig:
     cleared of an earlier run's summary and records."""
     out = os.path.abspath(cfg.out or os.path.join("loadtest-results", time.strftime("%Y%m%d-%H%M%S")))
     os.makedirs(out, exist_ok=True)
-    for name in ("summary.json", "records.parquet", "records.csv"):
+    for name in (files.SUMMARY, files.RECORDS, files.RECORDS_CSV):
         if os.path.exists(os.path.join(out, name)):
             os.remove(os.path.join(out, name))
     return replace(cfg, out=out)
@@ -220,7 +221,7 @@ def _relay(main: subprocess.Popen, main_log: IO[str], on_progress: Callable[[dic
 def _finish_summary(out: str, scheduling: str, errors: list[str]) -> dict:
     """The summary the run wrote, with the load processes' scheduling and the run's errors added (and written
     back). Raises LoadTestError, with the log's tail, when there is none."""
-    summary_path = os.path.join(out, "summary.json")
+    summary_path = os.path.join(out, files.SUMMARY)
     if not os.path.exists(summary_path):
         log_path = os.path.join(out, "locust.log")
         tail = ""

@@ -31,6 +31,7 @@ from tuner.measure.measurement import CONFIG_FAILURES, MACHINERY_FAILURES, Measu
 from tuner.measure.statistics import Interval, upper_verdict
 from tuner.trials.trial_backend import TrialBackend
 from tuner.trials.trial_runner import TrialOutcome
+from slotune import result_files as files
 
 BATCH_1 = {"max_num_seqs": 1}
 SMALL_BATCH = {"max_num_seqs": 4}
@@ -76,7 +77,7 @@ def _ms(v: float | None) -> str:
 def _decode_step_p99(outcomes: list[TrialOutcome], low: int, high: int) -> float | None:
     steps: list[dict[str, Any]] = []
     for o in outcomes:
-        path = Path(o.out_dir) / "steps.jsonl" if o.out_dir is not None else None
+        path = Path(o.out_dir) / files.STEPS if o.out_dir is not None else None
         if path is not None and path.exists():
             steps += [json.loads(line) for line in path.read_text().splitlines() if line]
     d = [s["total_s"] for s in steps if s.get("num_prefill_tokens", 0) == 0 and low <= s["num_decode_tokens"] <= high]

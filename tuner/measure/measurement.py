@@ -45,6 +45,7 @@ from tuner.measure.dependence import Block, attainment_interval, block_counts, c
 from tuner.measure.statistics import DEFAULT_LEVEL, Interval, Verdict, lower_verdict, upper_verdict
 from tuner.trials.trial_backend import TrialBackend
 from tuner.trials.trial_runner import TrialOutcome
+from slotune import result_files as files
 
 # reasons of a trial that fails for the config (tuner.trials.trial_runner): the config does not serve this rate
 CONFIG_FAILURES = ("rejected", "engine crashed")
@@ -265,10 +266,10 @@ class Measurement:
 
 def window_records(outcome: TrialOutcome) -> list[RequestRecord]:
     """The records of a segment's measurement window, read back from its trial folder (both backends write one)."""
-    if outcome.out_dir is None or not (Path(outcome.out_dir) / "records.parquet").exists():
+    if outcome.out_dir is None or not (Path(outcome.out_dir) / files.RECORDS).exists():
         return []
     window = (outcome.summary or {}).get("window")
-    records = read_records(str(Path(outcome.out_dir) / "records.parquet"))
+    records = read_records(str(Path(outcome.out_dir) / files.RECORDS))
     if not window:
         return records
     a, b = float(window[0]), float(window[1])

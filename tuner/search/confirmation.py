@@ -33,6 +33,7 @@ from tuner.measure.measurement import TARGET_SHARE, figures, segment_seed, windo
 from tuner.measure.statistics import DEFAULT_LEVEL
 from tuner.search.study import measured
 from tuner.trials.trial_backend import TrialBackend
+from slotune import result_files as files
 
 Bracket = list[float | None]  # [low, high]; high None where no rate probed was missed
 
@@ -58,8 +59,8 @@ def same_windows(sim: TrialBackend, policy: Policy, knobs: dict[str, Any], searc
         pooled: list[list[RequestRecord]] = []
         for seg in segments:
             try:
-                engine = json.loads((seg / "summary.json").read_text())
-                length = float(json.loads((seg / "trial.json").read_text())["duration"])
+                engine = json.loads((seg / files.SUMMARY).read_text())
+                length = float(json.loads((seg / files.TRIAL).read_text())["duration"])
             except (OSError, ValueError, KeyError):
                 continue  # a window that measured nothing (a failed start): nothing to set beside it
             j = int(seg.name.split("-")[1])

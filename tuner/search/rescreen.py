@@ -14,6 +14,7 @@ import optuna
 
 from tuner.search.screening import CONFIRMED
 from tuner.simulation.step_time_model import StepTimeModel
+from slotune import result_files as files
 
 # The screen is ranked again when the engine's speed (the profile's scale) moved by more than this share since the
 # ranking was made: a smaller change reorders nothing beyond the simulator's own step-to-step noise.
@@ -35,7 +36,7 @@ def measured_steps(study: optuna.Study) -> list[dict[str, Any]]:
         folder = t.user_attrs.get("steps_dir") or t.user_attrs.get("trial_dir")
         if t.user_attrs.get("simulated") or not folder or block_size is None:
             continue
-        for path in sorted(Path(folder).rglob("steps.jsonl")):
+        for path in sorted(Path(folder).rglob(files.STEPS)):
             out += [{**json.loads(line), "block_size": block_size} for line in path.read_text().splitlines()
                     if line.strip()]
     return out

@@ -22,6 +22,7 @@ from tuner.simulation.simulator import DEFAULT_LIMITS, SimResult, StepTimer, sim
 from tuner.trials.step_stats import step_stats, window_steps
 from tuner.trials.trial_backend import load_config_for
 from tuner.trials.trial_runner import TRIAL_FORMAT, TrialOutcome, feasibility
+from slotune import result_files as files
 
 
 def write_trial_folder(out_dir: Path, result: SimResult, summary: dict[str, Any], outcome: TrialOutcome,
@@ -29,18 +30,18 @@ def write_trial_folder(out_dir: Path, result: SimResult, summary: dict[str, Any]
                        extra: dict[str, Any] | None = None) -> None:
     """records.parquet, summary.json, steps.jsonl and trial.json of a simulated run."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_records(str(out_dir / "records.parquet"), result.records, meta={k: v for k, v in summary.items()
+    write_records(str(out_dir / files.RECORDS), result.records, meta={k: v for k, v in summary.items()
                                                                           if k != "warnings"})
-    write_summary(str(out_dir / "summary.json"), summary)
+    write_summary(str(out_dir / files.SUMMARY), summary)
     steps = steps if steps is not None else result.step_dicts()
-    with open(out_dir / "steps.jsonl", "w", encoding="utf-8") as f:
+    with open(out_dir / files.STEPS, "w", encoding="utf-8") as f:
         for s in steps:
             f.write(json.dumps(s) + "\n")
     trial = {"format": TRIAL_FORMAT, "knobs": outcome.knobs, "step_stats": outcome.step_stats,
              "feasible": outcome.feasible, "reason": outcome.reason, "workload": workload, "rate": outcome.rate,
              "slo": slo.as_dict(), "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
              "simulated": True, **(extra or {})}
-    (out_dir / "trial.json").write_text(json.dumps(trial, indent=2) + "\n")
+    (out_dir / files.TRIAL).write_text(json.dumps(trial, indent=2) + "\n")
 
 
 @dataclass

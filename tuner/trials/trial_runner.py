@@ -45,6 +45,7 @@ from tuner.trials.step_collector import STEP_POLL_S, StepCollector
 from tuner.trials.pruning import PruneWatcher
 from tuner.trials.step_stats import step_stats, window_steps
 from tuner.trials.trial_backend import load_config_for
+from slotune import result_files as files
 
 __all__ = ["TrialOutcome", "TrialRunner", "step_stats", "TRIAL_FORMAT", "feasibility"]
 
@@ -149,7 +150,7 @@ class TrialRunner:
         rate = self.rate if rate is None else rate
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        for name in ("summary.json", "steps.jsonl", "trial.json"):  # a folder reused: no stale results
+        for name in (files.SUMMARY, files.STEPS, files.TRIAL):  # a folder reused: no stale results
             (out_dir / name).unlink(missing_ok=True)
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         full = {**(self.base_knobs or {}), **knobs}
@@ -270,13 +271,13 @@ class TrialRunner:
         and written with the engine's step records of it, and judged."""
         assert isinstance(self.slo, SLO)
         end = min(self.warmup + duration, math.inf if watch.stopped_at is None else watch.stopped_at)
-        records_path = out_dir / "records.parquet"
+        records_path = out_dir / files.RECORDS
         summary = summarize(str(records_path), slo=self.slo, window=(self.warmup, max(end, self.warmup + 1e-3)),
                             meta={k: v for k, v in run_summary.items() if k != "warnings"},
                             lag_warn=cfg.lag_warn)
         summary["engine_itl_p99"] = engine_itl_p99(watch.itl_start or {}, itl_end)
         summary["host"] = watch.host
-        write_summary(str(out_dir / "summary.json"), summary)
+        write_summary(str(out_dir / files.SUMMARY), summary)
         t0 = float(run_summary.get("start_time") or 0.0)
         # the steps that made the window's tokens: from its opening to the load test's end (the drain included),
         # or to the moment the pruned load test was stopped
@@ -284,7 +285,7 @@ class TrialRunner:
         end_s = t0 + watch.stopped_at if watch.stopped_at is not None else watch.ended_at
         watch.collector.read()  # the drain's last steps
         steps = window_steps(watch.collector.records, start, end_s)
-        with open(out_dir / "steps.jsonl", "w", encoding="utf-8") as f:
+        with open(out_dir / files.STEPS, "w", encoding="utf-8") as f:
             for r in steps:
                 f.write(json.dumps(r) + "\n")
         stats = step_stats(steps, dropped=watch.collector.dropped_in(start, end_s))
@@ -304,17 +305,17 @@ class TrialRunner:
 
     def _write_trial(self, o: TrialOutcome, started_at: str) -> None:
         assert o.out_dir is not None and isinstance(self.workload, WorkloadSpec) and isinstance(self.slo, SLO)
-        if not (o.out_dir / "summary.json").exists():
-            write_summary(str(o.out_dir / "summary.json"), o.summary)
-        if not (o.out_dir / "steps.jsonl").exists():
-            (o.out_dir / "steps.jsonl").write_text("")
+        if not (o.out_dir / files.SUMMARY).exists():
+            write_summary(str(o.out_dir / files.SUMMARY), o.summary)
+        if not (o.out_dir / files.STEPS).exists():
+            (o.out_dir / files.STEPS).write_text("")
         trial = {"format": TRIAL_FORMAT, "knobs": o.knobs, "step_stats": o.step_stats, "feasible": o.feasible,
                  "reason": o.reason, "workload": self.workload.as_dict(), "rate": o.rate, "slo": self.slo.as_dict(),
                  "started_at": started_at, "simulated": o.simulated, "pruned": o.pruned,
                  "duration": self.duration, "warmup": self.warmup}
         if isinstance(self.engine, RestartedEngine):  # which server measured it, and its log
             trial["engine"] = {"kind": self.engine.kind.name, "flags": self.engine.flags, "log": self.engine.log_path}
-        (o.out_dir / "trial.json").write_text(json.dumps(trial, indent=2) + "\n")
+        (o.out_dir / files.TRIAL).write_text(json.dumps(trial, indent=2) + "\n")
 
 
 class _NotMeasured(Exception):
