@@ -148,10 +148,12 @@ def free_port() -> int:
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str, Path]:
     import httpx
 
+    from engine.knobs import KNOB_BY_NAME, flag_words  # the knob schema: each knob's flag
+
     port = free_port()
     flags = []
     for name, value in knobs(args).items():
-        flags += ["--" + name.replace("_", "-"), str(value).lower() if isinstance(value, bool) else str(value)]
+        flags += flag_words(KNOB_BY_NAME[name].flag, value, negate_bools=False)
     if args.model:
         flags += ["--model", args.model]
     log = Path(tempfile.mkdtemp(prefix="slotune-bench-")) / "serve.log"

@@ -180,9 +180,12 @@ def vllm_cpu_refuses(k: Knob, value: Any) -> str | None:
     return None
 
 
-def flag_words(flag: str, value: Any) -> list[str]:
-    """A knob's value on a command line: ``--flag value``; a bool as ``--flag`` / ``--no-flag`` (vLLM's style)."""
+def flag_words(flag: str, value: Any, negate_bools: bool = True) -> list[str]:
+    """A knob's value on a command line: ``--flag value`` (None as ``none``); a bool as ``--flag`` / ``--no-flag``
+    (vLLM's style), or as ``--flag true|false`` (``slotune serve``'s, ``negate_bools=False``)."""
     if isinstance(value, bool):
+        if not negate_bools:
+            return [flag, str(value).lower()]
         return [flag if value else "--no-" + flag.removeprefix("--")]
     return [flag, "none" if value is None else str(value)]
 

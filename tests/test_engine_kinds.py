@@ -50,8 +50,9 @@ def test_a_knob_at_its_value_becomes_the_engines_flag() -> None:
                          "--no-enable-prefix-caching"]
     assert vllm.env["VLLM_SERVER_DEV_MODE"] == "1" and vllm.prefix_reset == "/reset_prefix_cache"
     assert vllm.unsupported(["max_num_seqs", "prefill_token_ratio"]) == ["prefill_token_ratio"]
-    own = slotune_kind()
-    assert own.command(9, {"chunk_size": 16})[-2:] == ["--chunk-size", "16"]
+    own = slotune_kind()  # slotune serve takes a bool knob as a value
+    assert own.command(9, {"chunk_size": 16, "enable_prefix_caching": False})[-4:] == [
+        "--chunk-size", "16", "--enable-prefix-caching", "false"]
     sglang = command_kind("python -m sglang.launch_server --model-path M --port {port} {knobs} --log-level warning",
                           {"max_num_seqs": "--max-running-requests"}, None)
     assert sglang.command(7, {"max_num_seqs": 8, "max_num_batched_tokens": 64}) == [

@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     fixed = p.add_argument_group("other knobs, fixed for every point (default: the policy's fixed knobs, then the "
                                  "engine's config)")
     for knob in KNOB_NAMES:
-        fixed.add_argument("--" + knob.replace("_", "-"), dest="fixed_" + knob, metavar="V")
+        fixed.add_argument(KNOB_BY_NAME[knob].flag, dest="fixed_" + knob, metavar="V")
     return p
 
 
@@ -108,7 +108,7 @@ def plan_from_args(args: argparse.Namespace) -> SweepPlan:
         text = getattr(args, "fixed_" + knob)
         if text is None:
             continue
-        flag = "--" + knob.replace("_", "-")
+        flag = KNOB_BY_NAME[knob].flag
         if knob == args.knob:
             raise CliError(f"argument {flag}: {knob} is the knob being swept (give its values with --values)")
         fixed[knob] = parse_knob_value(knob, text, flag)

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from engine.knobs import KNOB_BY_NAME, flag_words
 from loadtest.runner import die_with_parent, free_port, stop_process
 from tuner.trials.engine_metrics import SLOTUNE_SERIES, EngineSeries, histogram_buckets, queued
 
@@ -231,8 +232,7 @@ class ManagedEngine:
         if self.model:
             cmd += ["--model", self.model]
         for k, v in self.knobs.items():
-            cmd += ["--" + k.replace("_", "-"), "none" if v is None else str(v).lower() if isinstance(v, bool)
-                    else str(v)]
+            cmd += flag_words(KNOB_BY_NAME[k].flag, v, negate_bools=False)
         return cmd + self.extra_args
 
     def start(self) -> EngineHandle:

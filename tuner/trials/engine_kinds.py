@@ -34,6 +34,7 @@ class ServerKind:
     flags: dict[str, str]  # knob -> its command-line flag on this engine
     series: EngineSeries = SLOTUNE_SERIES
     env: dict[str, str] = field(default_factory=dict)
+    negate_bools: bool = True  # a bool knob as --flag / --no-flag (vLLM) or as --flag true|false (slotune serve)
     prefix_reset: str | None = None  # POST route that drops the prefix cache (None: the server has none)
     model: str | None = None
 
@@ -52,7 +53,7 @@ class ServerKind:
 
     def flag_args(self, name: str, value: Any) -> list[str]:
         """``--flag value`` of one knob on this engine (a bool as ``--flag`` / ``--no-flag``, vLLM's style)."""
-        return flag_words(self.flags[name], value)
+        return flag_words(self.flags[name], value, self.negate_bools)
 
     def unsupported(self, names: list[str]) -> list[str]:
         """The knobs among ``names`` this engine has no flag for."""
@@ -63,7 +64,8 @@ def slotune_kind(model: str | None = None, python: str = sys.executable) -> Serv
     """slotune's own server started per configuration (the restart path, beside its live changes)."""
     argv = [python, "-m", "slotune.cli", "serve", "--port", "{port}", "--log-level", "warning",
             "--max-waiting-requests", "100000"] + (["--model", "{model}"] if model else []) + ["{knobs}"]
-    return ServerKind("slotune", tuple(argv), {k.name: k.flag for k in KNOB_BY_NAME.values()}, model=model)
+    return ServerKind("slotune", tuple(argv), {k.name: k.flag for k in KNOB_BY_NAME.values()}, model=model,
+                      negate_bools=False)
 
 
 def vllm_kind(python: str, model: str, served_name: str, extra: list[str]) -> ServerKind:
@@ -74,7 +76,7 @@ def vllm_kind(python: str, model: str, served_name: str, extra: list[str]) -> Se
     # the development routes: the resolved configuration and the prefix-cache reset (the KV pool is the engine's own
     # default unless the caller's environment sets VLLM_CPU_KVCACHE_SPACE)
     env = {"VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return ServerKind("vllm", tuple(argv), flags, VLLM_SERIES, env, "/reset_prefix_cache", model)
+    return ServerKind("vllm", tuple(argv), flags, VLLM_SERIES, env, prefix_reset="/reset_prefix_cache", model=model)
 
 
 def command_kind(template: str, flag_map: dict[str, str], model: str | None) -> ServerKind:
