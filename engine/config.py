@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from engine.knobs import KNOB_BY_NAME, KNOB_NAMES, LOAD_TIME_KNOBS, RELAYOUT_KNOBS
 
+# The three name knobs' choices as types, for the type checker; the knob schema's `choices` are the values, and
+# tests/test_config.py holds the two to each other.
 PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 KernelBackend = Literal["auto", "torch", "cpp", "triton"]  # engine/kernel_backend.py resolves auto

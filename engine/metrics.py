@@ -16,9 +16,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from engine.knobs import KNOB_BY_NAME
+from engine.knobs import KNOB_BY_NAME, KNOBS
 from engine.snapshot import EngineSnapshot
 from engine.step_record import StepRecord
+
+# the knob gauges' help: a name knob's value is the index of its choice, listed from the knob schema itself
+KNOB_GAUGE_HELP = ("Applied knob values ('auto' resolved; booleans 0/1; " + "; ".join(
+    f"{k.name}: " + ", ".join(f"{i} {c}" for i, c in enumerate(k.choices)) for k in KNOBS if k.choices) + ").")
 
 __all__ = ["CONTENT_TYPE_LATEST", "LATENCY_BUCKETS", "LENGTH_BUCKETS", "TOKEN_BUCKETS", "ServerMetrics",
            "knob_values"]
@@ -82,9 +86,7 @@ class _SnapshotCollector(Collector):
         yield finished
         yield gauge("slotune_config_generation", "Generation number of the applied engine config.",
                     s.config.generation)
-        knobs = GaugeMetricFamily("slotune_knob", "Applied knob values ('auto' resolved; preemption_mode: "
-                                  "0 recompute, 1 swap; scheduling_policy: 0 fcfs, 1 priority; booleans 0/1).",
-                                  labels=["name"])
+        knobs = GaugeMetricFamily("slotune_knob", KNOB_GAUGE_HELP, labels=["name"])
         for name, value in knob_values(s).items():
             knobs.add_metric([name], value)
         yield knobs

@@ -184,3 +184,27 @@ def test_update_is_all_or_nothing(changes: dict[str, Any]) -> None:
         assert new.knobs() == merged
         assert new.changed_knobs(old) == {k for k, v in changes.items() if snapshot[k] != v}
     assert old.knobs() == snapshot and old.generation == 0
+
+
+def test_the_name_knobs_types_list_exactly_the_knob_schemas_choices() -> None:
+    """The Literal types a type checker sees and the choices the engine, the policies and the metrics use are one
+    list each: a choice added to one and not the other fails here."""
+    from typing import get_args
+
+    from engine.config import KernelBackend, PreemptionMode, SchedulingPolicy
+    from engine.knobs import KNOB_BY_NAME
+
+    for name, literal in (("preemption_mode", PreemptionMode), ("scheduling_policy", SchedulingPolicy),
+                          ("kernel_backend", KernelBackend)):
+        assert get_args(literal) == KNOB_BY_NAME[name].choices, name
+
+
+def test_the_knob_gauges_help_names_every_choice_by_its_index() -> None:
+    """A dashboard reading slotune_knob{name="kernel_backend"} 2 learns from the help that 2 is cpp."""
+    from engine.knobs import KNOBS
+    from engine.metrics import KNOB_GAUGE_HELP
+
+    for k in KNOBS:
+        if k.choices:
+            assert f"{k.name}: " + ", ".join(f"{i} {c}" for i, c in enumerate(k.choices)) in KNOB_GAUGE_HELP
+    assert "kernel_backend: 0 auto, 1 torch, 2 cpp, 3 triton" in KNOB_GAUGE_HELP
