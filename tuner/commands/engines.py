@@ -72,6 +72,9 @@ def check_engine_args(args: argparse.Namespace) -> None:
     if args.apply:
         raise CliError(f"argument --apply: --engine {args.engine} has no live knobs; start the server with the "
                        "flags tune writes")
+    if args.screen:
+        raise CliError(f"argument --screen: the simulator's step-time model is calibrated on slotune's engine only; "
+                       f"with --engine {args.engine} the search runs on the engine alone")
     if args.engine == "command" and not args.engine_command:
         raise CliError("argument --engine-command: required with --engine command")
     if args.engine != "command" and (args.engine_command or args.knob_flag):
