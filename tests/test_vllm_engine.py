@@ -59,7 +59,8 @@ def test_vllm_per_configuration_with_its_defaults_read_back_and_a_rejected_confi
 
 
 def test_a_flag_the_installed_vllm_does_not_know_is_refused_before_anything_starts(tmp_path: Path) -> None:
-    proc = run_tune(["--slo-p99-tbt", "50ms", "--engine", "vllm", "--engine-arg=--no-such-flag",
+    policy = str(Path(__file__).resolve().parent.parent / "policies" / "vllm-cpu.yaml")
+    proc = run_tune(["--slo-p99-tbt", "50ms", "--engine", "vllm", "--policy", policy, "--engine-arg=--no-such-flag",
                      "--out", "out/tuned.yaml"], tmp_path, timeout=600)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "the installed vLLM does not know --no-such-flag" in proc.stderr
