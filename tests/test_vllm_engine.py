@@ -35,7 +35,10 @@ def vllm_processes() -> list[psutil.Process]:
     return out
 
 
-def test_vllm_per_configuration_with_its_defaults_read_back_and_a_rejected_config(tmp_path: Path) -> None:
+def test_vllm_per_configuration_with_its_defaults_read_back_and_a_rejected_config(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's CPU build takes ~90 % of the machine's memory for its KV cache by default (docs/engines.md, "Memory")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
     kind = vllm_kind(default_vllm_python(), default_model_dir(), SERVED_NAME, [])
     with RestartedEngine(kind, tmp_path / "servers") as vllm:
         defaults = vllm.defaults()
