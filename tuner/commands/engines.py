@@ -11,8 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from engine.knobs import KNOB_BY_NAME, vllm_cpu_refuses
-from policies import IntRange, Policy
+from policies import IntRange, KnobRange, Policy
 from tuner.commands.flags import CliError
 from tuner.trials.engine_kinds import VLLM_SERVER_MODULE, ServerKind, command_kind, vllm_kind
 
@@ -91,8 +93,6 @@ def checked_knobs(path: str) -> dict[str, object]:
         raise CliError(f"argument --check: no such file {path!r}")
     text = file.read_text()
     if file.suffix in (".yaml", ".yml"):
-        import yaml
-
         doc = yaml.safe_load(text)
         if not isinstance(doc, dict) or not isinstance(doc.get("knobs"), dict):
             raise CliError(f"argument --check: {path} has no `knobs:` mapping (a tuned.yaml has one)")
@@ -123,8 +123,6 @@ def checked_knobs(path: str) -> dict[str, object]:
 def check_policy(policy: Policy, knobs: dict[str, object]) -> Policy:
     """The policy of a transfer check: its search space is the checked config alone (each searched knob the file
     sets, at the file's value), two configs in the study (the engine's defaults and it), no constraints to repair it."""
-    from policies import KnobRange
-
     space = tuple(KnobRange(k.name, choices=(knobs[k.name],)) for k in policy.search_space if k.name in knobs)
     if not space:
         raise CliError("argument --check: the file sets none of the knobs the policy searches "
