@@ -14,7 +14,6 @@ import optuna
 from optuna.trial import TrialState
 
 from slotune.units import format_duration
-from tuner.commands.capacity_run import CapacityRun
 from tuner.commands.progress import PROG, say
 from tuner.commands.run_context import RunContext
 from policies import Policy
@@ -165,6 +164,9 @@ class TuneSession:
         if recovered:
             say(f"{PROG}: trial(s) {', '.join(map(str, recovered))} of a run that died are marked failed and redone")
         enqueue_default(study)
+        # imported here: it loads the simulator (the engine's scheduler), which the goodput objective never needs
+        from tuner.commands.capacity_run import CapacityRun
+
         context = self.context()
         try:
             return CapacityRun(context, runner, study, model).run()
