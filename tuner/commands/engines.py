@@ -213,6 +213,3 @@ def _check_vllm_flags(kind: ServerKind, searched: list[str]) -> None:
     if unknown:
         raise CliError(f"the installed vLLM does not know {', '.join(unknown)}")
 
-
-def describe_knobs(knobs: dict[str, object]) -> str:
-    return ", ".join(f"{KNOB_BY_NAME[k].label} {v}" if k in KNOB_BY_NAME else f"{k} {v}" for k, v in knobs.items())

@@ -121,9 +121,6 @@ class RestartedEngine:
             self._restart(flags)
         return {**(self.resolved or {}), **flags}
 
-    def get_config(self) -> dict[str, Any]:
-        return {**self.defaults(), **(self.flags or {})}
-
     # ------------------------------------------------------------------------------------------------ process
 
     def _restart(self, flags: dict[str, Any]) -> None:
