@@ -54,7 +54,8 @@ def vllm_check(knobs: dict[str, Any], rate: float, slo: dict[str, Any], workload
     kind = vllm_kind(default_vllm_python(), default_model_dir(), SERVED_NAME, [])
     with RestartedEngine(kind, folder / "servers") as engine:
         runner = TrialRunner(engine, workload=WorkloadSpec(**workload), rate=rate, duration=CHECK_S,
-                             warmup=policy.warmup, slo=slo, seed=INDEPENDENT_SEED)
+                             warmup=policy.warmup, slo=slo, seed=INDEPENDENT_SEED,
+                             server_warmup=policy.server_warmup)
         spec = replace(measurement_spec(policy), sustained_s=CHECK_S)
         m = measure(runner, knobs, rate, folder, INDEPENDENT_SEED // 1000, spec)
         started = engine.restart_seconds()

@@ -228,6 +228,7 @@ class Policy:
     trials: int
     trial_duration: float
     warmup: float
+    server_warmup: float  # a server started per configuration: load it took before it is measured
     seed: int
     workload: WorkloadSpec
     rate: float | None  # None = auto
@@ -260,7 +261,8 @@ class Policy:
         return {"slo": self.slo.as_dict(), "search_space": {k.name: k.to_dict() for k in self.search_space},
                 "fixed": dict(self.fixed), "constraints": [str(c) for c in self.constraints],
                 "sampler": self.sampler, "start": self.start, "objective": self.objective, "trials": self.trials,
-                "trial_duration": self.trial_duration, "warmup": self.warmup, "seed": self.seed,
+                "trial_duration": self.trial_duration, "warmup": self.warmup,
+                "server_warmup": self.server_warmup, "seed": self.seed,
                 "workload": self.workload.as_dict(), "rate": self.rate if self.rate is not None else "auto",
                 "pruning": dataclasses.asdict(self.pruning), "measurement": dataclasses.asdict(self.measurement),
                 "capacity": dataclasses.asdict(self.capacity), "verdict": dataclasses.asdict(self.verdict),
@@ -285,7 +287,7 @@ def _policy(doc: PolicyDoc, data: dict[str, Any], source: str) -> Policy:
     return Policy(slo=doc.slo, search_space=space, fixed=fixed,
                   constraints=tuple(Constraint(*c) for c in doc.constraints), sampler=doc.sampler, start=doc.start,
                   objective=doc.objective, trials=doc.trials, trial_duration=doc.trial_duration, warmup=doc.warmup,
-                  seed=doc.seed, workload=workload, rate=doc.rate, pruning=PruningSpec(**doc.pruning.model_dump()),
+                  server_warmup=doc.server_warmup, seed=doc.seed, workload=workload, rate=doc.rate, pruning=PruningSpec(**doc.pruning.model_dump()),
                   measurement=MeasurementPolicy(**doc.measurement.model_dump()),
                   capacity=CapacityPolicy(**doc.capacity.model_dump()), verdict=VerdictPolicy(**doc.verdict.model_dump()),
                   time_budget=doc.time_budget, control=_control(data, space), source=source)

@@ -276,6 +276,7 @@ class PolicyDoc(Doc):
     trials: int = Field(ge=1)
     trial_duration: PositiveSeconds
     warmup: Seconds
+    server_warmup: Seconds
     seed: int = Field(ge=0)
     workload: WorkloadDoc
     rate: Rate  # None: auto

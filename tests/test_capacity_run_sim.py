@@ -23,11 +23,12 @@ from tuner.search.study import enqueue_default, open_storage, open_study
 
 
 def run_on_the_simulator(tmp_path: Path, tbt: float, capsys: pytest.CaptureFixture[str],
-                         searches_budget: float | None = None, apply_to: str | None = None) -> tuple[int, str, str]:
+                         searches_budget: float | None = None, apply_to: str | None = None,
+                         ttft: float = 2.0) -> tuple[int, str, str]:
     policy = load_policy().replace(trials=3)
     if searches_budget is not None:  # a time budget spent before the searches (less than one verdict round)
         policy = policy.replace(time_budget=searches_budget)
-    policy = policy.replace(slo=policy.slo.__class__(tbt_p99=tbt, ttft_p99=2.0))
+    policy = policy.replace(slo=policy.slo.__class__(tbt_p99=tbt, ttft_p99=ttft))
     args = build_parser().parse_args(["--out", str(tmp_path / "out" / "tuned.yaml"), "--screen", "6"]
                                      + (["--apply"] if apply_to else []))
     storage = open_storage(f"sqlite:///{tmp_path}/study.db")
@@ -37,7 +38,7 @@ def run_on_the_simulator(tmp_path: Path, tbt: float, capsys: pytest.CaptureFixtu
         session.handle = EngineHandle(apply_to, "secret")
     model = StepTimeModel.load(profile_path(None))
     sim = SimTrialRunner(model, limits=limits_of(model), workload=policy.workload, duration=policy.trial_duration,
-                         warmup=policy.warmup, slo=SLO(tbt, 2.0), seed=policy.seed)
+                         warmup=policy.warmup, slo=SLO(tbt, ttft), seed=policy.seed)
     study = open_study(storage, session.study_name, policy)
     enqueue_default(study)
     rc = CapacityRun(session.context(), sim, study, "sim").run()
@@ -137,6 +138,47 @@ def test_an_slo_below_the_simulated_floor_stops_before_searching(
     assert not (tmp_path / "out" / "tuned.yaml").exists()
 
 
+def test_a_ttft_target_the_prompts_miss_even_one_at_a_time_stops_before_searching_naming_the_binding_target(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The workload's own prompts, one at a time on an idle engine, take longer than the TTFT target to their first
+    token: no config serves any rate. tune says so at once, which target binds, and what this machine reaches."""
+    rc, out, err = run_on_the_simulator(tmp_path, 1.0, capsys, ttft=0.001)
+    assert rc == 1, out + err
+    assert re.search(r"one request at a time, \d+% \([\d.]+-[\d.]+\) of the workload's requests attain the SLO",
+                     err), err
+    assert "TTFT <= 1ms binds" in err and "p99 TBT <= 1s binds" not in err
+    assert re.search(r"the targets this machine reaches for 90% of the requests one at a time: TTFT [\d.]+s", err)
+    assert not (tmp_path / "out" / "tuned.yaml").exists()
+    floor = yaml.safe_load(next((tmp_path / "out" / "tuned-trials").glob("*/floor/floor.json")).read_text())
+    assert floor["one_at_a_time"]["binds"] == ["ttft"] and floor["one_at_a_time"]["attainment"]["high"] < 0.9
+    # the same targets that one request at a time meets: the search goes on
+    rc, out, err = run_on_the_simulator(tmp_path / "loose", 1.0, capsys, ttft=10.0)
+    assert "error" not in err and "binds" not in out
+
+
+def test_a_low_rate_is_measured_by_its_requests_and_can_be_shown_served(tmp_path: Path) -> None:
+    """Below 1 req/s a block of three requests spans more than the policy's block seconds: a measurement's cap and a
+    verdict window grow to hold as many blocks as they do at higher rates, so that 0.3 req/s can be decided."""
+    from tuner.measure.capacity import measurement_spec
+    from tuner.measure.measurement import measure
+    from tuner.measure.verdict_plan import VerdictPlan
+
+    policy = load_policy()
+    spec = measurement_spec(policy)
+    assert spec.segments_at(3.0) == spec.segments_at(1.0) == spec.max_segments
+    blocks = spec.max_segments * spec.window_s / spec.block_s
+    assert spec.segments_at(0.3) * spec.window_s * 0.3 / spec.block_at(0.3) >= blocks
+    plan = VerdictPlan.of(policy)
+    candidate = plan.spec_for(False, rate=0.3)
+    assert candidate.sustained_s * 0.3 / candidate.block_at(0.3) >= 1.25 * candidate.blocks_to_show()
+    model = StepTimeModel.load(profile_path(None))
+    sim = SimTrialRunner(model, limits=limits_of(model), workload=policy.workload, duration=policy.trial_duration,
+                         warmup=policy.warmup, slo=SLO(1.0, 10.0), seed=7)
+    m = measure(sim, {}, 0.3, tmp_path / "low", 7, candidate)
+    assert m.verdict == "met", m.describe()
+    assert m.figures is not None and len(m.figures.blocks) >= candidate.blocks_to_show()
+
+
 def test_when_nothing_was_shown_served_the_last_lines_tell_undecided_from_missed(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import optuna
@@ -170,9 +212,22 @@ def test_when_nothing_was_shown_served_the_last_lines_tell_undecided_from_missed
     study2 = open_study(storage, "all-missed", policy)
     run.study = study2
     study = study2
-    add(ROLE_DEFAULT, [(1.0, "missed"), (0.5, "missed")], "not served at 0.5 req/s")
+    # every rate missed, measured: the lowest rate's requests say which target binds and what they reached
+    from tuner.measure.capacity import measurement_spec, probe_record
+    from tuner.measure.measurement import measure
+
+    tight = SimTrialRunner(model, limits=limits_of(model), workload=policy.workload, duration=policy.trial_duration,
+                           warmup=policy.warmup, slo=SLO(0.05, 0.02))
+    probes = [probe_record(measure(tight, {}, r, tmp_path / f"r{r}", 3, measurement_spec(policy))) for r in (1.0, 0.5)]
+    assert [p["verdict"] for p in probes] == ["missed", "missed"]
+    study.add_trial(optuna.trial.create_trial(value=0.0, user_attrs={
+        "role": ROLE_DEFAULT, "knobs": {"max_num_seqs": 64}, "feasible": False,
+        "capacity": {"bracket": [0.0, 0.5], "stopped": "not served at 0.5 req/s", "probes": probes}}))
     assert run.finish() == 1
-    assert "every rate probed was missed: try a looser target" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert re.search(r"  at 0.5 req/s: TTFT <= 20ms binds \(\d+% \([\d.]+-[\d.]+\) within it\); 90% of the requests "
+                     r"reached TTFT [\d.]+s \([\d.?]+-[\d.?]+\), p99 TBT [\d.]+ms", err), err
+    assert "every rate probed was missed: the targets each config reached at its lowest rate" in err
 
 
 # the real conversation trace: the full one where present, else the excerpt the repository ships

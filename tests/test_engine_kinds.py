@@ -88,3 +88,13 @@ def test_a_failed_start_is_told_in_the_engines_own_words(tmp_path) -> None:
     assert engine_reason(str(log)).startswith("RuntimeError: Worker failed with error 'No common block size for 16")
     log.write_text("$ srv\nlistening soon\n")
     assert engine_reason(str(log)) == "listening soon"
+    # pydantic names the setting only on the line under its exception (vLLM's SchedulerConfig, as 0.32.0 logs it)
+    log.write_text(
+        "$ python -m vllm.entrypoints.openai.api_server --max-num-seqs 64 --max-num-batched-tokens 32\n"
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for SchedulerConfig\n"
+        "  Value error, max_num_batched_tokens (32) must be greater than or equal to max_num_seqs (64). "
+        "[type=value_error, input_value=ArgsKwargs((), {'runner_t..., 'stream_interval': 1}), input_type=ArgsKwargs]\n"
+        "    For further information visit https://errors.pydantic.dev/2.14/v/value_error\n")
+    assert engine_reason(str(log)) == (
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for SchedulerConfig: Value error, "
+        "max_num_batched_tokens (32) must be greater than or equal to max_num_seqs (64).")

@@ -349,6 +349,21 @@ def test_a_failure_of_the_measuring_machinery_is_run_again_and_never_counts_as_a
     assert r.verdict == "missed" and r.reason is not None and len(r.segments) == 1  # the config's own failure
 
 
+def test_a_requests_own_ttft_one_at_a_time_is_counted_from_when_the_engine_took_it_up() -> None:
+    """At batch 1 a request waits for the one before it: its own time to first token starts at that one's end."""
+    from loadtest.records import RequestRecord
+    from tuner.measure.floor import own_ttfts
+
+    a = RequestRecord(0, intended_send_time=100.0, ttft=0.5, finish_time=102.0)
+    b = RequestRecord(1, intended_send_time=101.0, ttft=1.3, finish_time=103.0)  # waited 1 s behind a
+    c = RequestRecord(2, intended_send_time=110.0, ttft=0.2, finish_time=111.0)  # arrived to an idle engine
+    lost = RequestRecord(3, intended_send_time=111.5, status="unfinished")
+    d = RequestRecord(4, intended_send_time=112.0, ttft=0.4, finish_time=113.0)
+    own = own_ttfts([d, c, b, a, lost])
+    assert own[0] == pytest.approx(0.5) and own[1] == pytest.approx(0.3) and own[2] == pytest.approx(0.2)
+    assert own[3] == math.inf and own[4] == pytest.approx(0.4)
+
+
 def test_the_floor_keeps_the_least_disturbing_arrangement_and_flags_an_slo_below_it(tmp_path: Path) -> None:
     from tuner.trials.arrangement import NORMAL, REALTIME, SEPARATE, Arrangement
     from tuner.measure.floor import measure_floor

@@ -30,8 +30,9 @@ SLO_LOOSE = SLO(tbt_p99=1.0, ttft_p99=5.0)
 SPEC = MeasurementSpec(min_gaps=200, max_segments=2, window_s=6.0)
 
 
-def runner_on(engine: ManagedEngine | RestartedEngine) -> TrialRunner:
-    return TrialRunner(engine, workload=WORKLOAD, duration=6.0, warmup=1.0, slo=SLO_LOOSE, seed=0, busy_cores=None)
+def runner_on(engine: ManagedEngine | RestartedEngine, server_warmup: float = 0.0) -> TrialRunner:
+    return TrialRunner(engine, workload=WORKLOAD, duration=6.0, warmup=1.0, slo=SLO_LOOSE, seed=0, busy_cores=None,
+                       server_warmup=server_warmup)
 
 
 def test_the_restart_path_measures_a_config_as_the_live_path_does_on_the_same_draws(tmp_path: Path) -> None:
@@ -43,7 +44,7 @@ def test_the_restart_path_measures_a_config_as_the_live_path_does_on_the_same_dr
         live.stop()
     kind = command_kind(SERVE, {"chunk_size": "--chunk-size"}, None)
     with RestartedEngine(kind, tmp_path / "servers") as restarted:
-        runner = runner_on(restarted)
+        runner = runner_on(restarted, server_warmup=2.0)
         assert runner.base_knobs == restarted.defaults()
         assert runner.base_knobs["max_num_seqs"] == 64 and runner.base_knobs["max_num_batched_tokens"] == 512
         restart_m = measure(runner, CONFIG, 2.0, tmp_path / "restart", draw=5, spec=SPEC)
@@ -53,10 +54,13 @@ def test_the_restart_path_measures_a_config_as_the_live_path_does_on_the_same_dr
         assert {k: admin["config"][k] for k in CONFIG} == CONFIG and admin["generation"] == 0
         assert "--max-num-seqs 4 --max-num-batched-tokens 64 --chunk-size 16" in \
             Path(restarted.starts[-1].log).read_text().splitlines()[0]
-        # a second rate of the same config runs on the same server
-        starts = len(restarted.starts)
+        # the fresh server had its warm-up load (its own arrivals, kept beside its log) before the first window
+        warm = Path(restarted.starts[-1].log).with_suffix(".warmup")
+        assert restarted.starts[-1].warm_s >= 2.0 and (warm / "records.parquet").exists()
+        # a second rate of the same config runs on the same server, warmed once
+        starts, warm_s = len(restarted.starts), restarted.starts[-1].warm_s
         runner.run(CONFIG, tmp_path / "again", rate=1.0)
-        assert len(restarted.starts) == starts
+        assert len(restarted.starts) == starts and restarted.starts[-1].warm_s == warm_s
         # back to the default config: the server with no knob flags, as the engine resolves it
         o = runner.run({}, tmp_path / "default", rate=1.0)
         assert o.summary.get("completed") and len(restarted.starts) == starts + 1

@@ -170,6 +170,15 @@ def test_a_policy_with_values_vllms_cpu_build_refuses_is_stopped_before_any_star
     check_vllm_values(load_policy(str(REPO / "policies" / "vllm-cpu.yaml")))
 
 
+def test_vllm_in_bf16_on_a_cpu_without_bf16_instructions_gets_a_note_unless_a_dtype_is_given() -> None:
+    from tuner.commands.engines import bf16_note
+
+    avx2 = "flags\t\t: fpu sse avx avx2 fma"
+    assert "--engine-arg=--dtype=float32" in (bf16_note([], avx2) or "")
+    assert bf16_note(["--dtype=float32"], avx2) is None and bf16_note(["--dtype", "bfloat16"], avx2) is None
+    assert bf16_note([], avx2 + " avx512f avx512_bf16") is None and bf16_note([], avx2 + " amx_bf16 amx_tile") is None
+
+
 def test_a_long_measurement_shows_a_live_line_on_a_terminal_and_nothing_in_a_log() -> None:
     import io
     import time

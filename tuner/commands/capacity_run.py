@@ -23,7 +23,7 @@ from tuner.commands.run_context import RunContext
 from slotune.slo import SLO
 from tuner.measure.capacity import MIN_RATE, CapacitySearcher, Shown, capacity_searcher, measurement_spec
 from tuner.measure.floor import measure_floor
-from tuner.measure.measurement import Measurement
+from tuner.measure.measurement import Measurement, Reached
 from engine.knobs import short_knobs
 from tuner.output import write_report, write_tuned_yaml, write_vllm
 from tuner.simulation.simulator_trial import SimTrialRunner
@@ -74,9 +74,11 @@ class CapacityRun:
                                  arrange=lambda a: arrangement.apply(self.runner, a), draw=self.s.draws.floor)
         self.floor = floor.as_dict()
         say(f"{PROG}: floor: {floor.describe()}")
-        if floor.reason is not None or floor.below(SLO(**p.slo.as_dict())):
-            why = floor.reason or (f"p99 TBT <= {format_duration(p.slo.tbt_p99)} is below this machine's floor: one "
-                                   f"request at a time already gets p99 TBT {floor.tbt_p99_batch1.format('ms', 1000)}")
+        slo = SLO(**p.slo.as_dict())
+        if floor.alone is not None:
+            say(f"{PROG}: floor: {floor.alone.describe()}")
+        if floor.reason is not None or floor.below(slo):
+            why = floor.reason or floor.why_below(slo)
             print(f"{PROG}: error: {why}; no config can meet it here (nothing written; floor: "
                   f"{self.s.trials_dir / 'floor' / 'floor.json'})", file=sys.stderr)
             say(f"{PROG}: stopped after {format_duration(time.monotonic() - self.s.started)}" + self.restarts_text())
@@ -173,10 +175,10 @@ class CapacityRun:
         return min(self.p.verdict.budget, 2 * self.switching_plan().full_round_s())
 
     def switching_plan(self) -> VerdictPlan:
-        """The verdict's plan, with the mean start of a server per configuration as the cost of each measurement's
-        config change (the default and the candidates alternate)."""
+        """The verdict's plan, with the mean start (and warm-up) of a server per configuration as the cost of each
+        measurement's config change (the default and the candidates alternate)."""
         restarted = self.s.restarted
-        ups = [start.seconds for start in restarted.starts if start.ok] if restarted is not None else []
+        ups = [start.seconds + start.warm_s for start in restarted.starts if start.ok] if restarted is not None else []
         self.plan = replace(self.plan, switch_s=sum(ups) / len(ups) if ups else 0.0)
         return self.plan
 
@@ -255,9 +257,13 @@ class CapacityRun:
                                                                                                   names)
             lines.append(f"  #{t.number} {who}: " + ", ".join(f"{m['verdict']} at {m['rate']:.3g} req/s"
                                                                for m in probes) + f" ({cap.get('stopped')})")
+            lowest = probes[-1] if probes else None
+            if lowest is not None and lowest.get("reached"):
+                lines.append(f"    at {lowest['rate']:.3g} req/s: " + Reached.from_dict(lowest["reached"]).describe())
         advice = ("undecided is not missed: at the edge of the target share only more requests decide (a longer "
                   "measurement cap in the policy), and a looser target serves more" if undecided else
-                  "every rate probed was missed: try a looser target")
+                  "every rate probed was missed: the targets each config reached at its lowest rate above are the "
+                  "nearest ones it would meet there")
         head = f"{PROG}: no candidate config read served at any rate searched within {self.s.slo_text()}"
         write_report(report, self.study, self.p.slo.as_dict(), f"tune: {self.s.study_name}",
                      [head] + lines + [advice])
@@ -367,3 +373,4 @@ def capacity_section(result: VerdictResult, chosen: Contender) -> dict[str, Any]
     if chosen is not result.default:
         tuned["ratio_to_default"] = result.ratio(chosen).as_dict()
     return {"tuned": tuned, "default": entry(result.default)}
+

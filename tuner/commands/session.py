@@ -114,7 +114,7 @@ class TuneSession:
         model = handle.model()
         runner = TrialRunner(self.restarted or self.managed or handle, workload=p.workload, rate=p.rate or 1.0,
                              duration=p.trial_duration, warmup=p.warmup, slo=p.slo, pruning=p.pruning, seed=p.seed,
-                             busy_cores=p.measurement.busy)
+                             busy_cores=p.measurement.busy, server_warmup=p.server_warmup)
         try:
             study = open_study(self.storage, self.study_name, p)
         except ValueError as error:
@@ -238,7 +238,8 @@ class TuneSession:
         # shorter probes (8 s, ~16 requests at 2 req/s) decided on a few requests and on another arrival draw.
         probe = TrialRunner(runner.engine, workload=runner.workload, rate=1.0, duration=runner.duration,
                             warmup=runner.warmup, slo=runner.slo, pruning=None, seed=runner.seed,
-                            base_knobs=runner.base_knobs, busy_cores=runner.busy_cores)
+                            base_knobs=runner.base_knobs, busy_cores=runner.busy_cores,
+                            server_warmup=runner.server_warmup)
         choice = choose_rate(probe, self.trials_dir / "rate-auto",
                              on_probe=lambda r, o: say(f"  probe {r:.3g} req/s: {self.describe(o)}"))
         say(f"{PROG}: rate {choice.rate:.3g} req/s: {choice.reason}")

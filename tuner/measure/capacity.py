@@ -191,7 +191,8 @@ def probe_record(m: Measurement) -> dict[str, Any]:
     return {"rate": m.rate, "verdict": m.verdict, "requests": f.requests if f else 0,
             "attaining": f.attaining if f else 0, "attainment": f.attainment.value if f and f.requests else None,
             "blocks": [list(b) for b in f.blocks] if f else [], "reason": m.reason, "void": m.void,
-            "output_tokens_per_s": m.output_tokens_per_s, "describe": m.describe()}
+            "output_tokens_per_s": m.output_tokens_per_s, "describe": m.describe(),
+            "reached": f.reached.as_dict() if f is not None and f.reached is not None else None}
 
 
 def next_rate(low: float, high: float, start: float, step: float) -> float:

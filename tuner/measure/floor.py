@@ -9,13 +9,19 @@ difference is what the load generator and the host add), and the generator's own
 Where the load generator shares the engine's cores, the batch-1 run is repeated under each arrangement of the two
 (tuner/trials/arrangement.py) and the least disturbing one is kept for the whole run.
 
-When even one request at a time misses the TBT target beyond the noise (the interval's lower end above it), no
-config can meet the SLO on this machine: tune says so with the figures and stops before searching.
+The batch-1 run also gives each request's time to first token from the moment a one-at-a-time engine takes it up
+(its send, or the end of the request before it when that came later): its own prompt's prefill, without the queue.
+With each request's own p99 gap, that is the SLO judged one request at a time, the best any config does with these
+prompts here. When even one request at a time misses the TBT target beyond the noise (the pooled p99's interval
+above it), or when the share of requests that attain one at a time is shown below the target share (its interval's
+upper end below 90 %), no config can meet the SLO on this machine: tune says so, with the target that binds and the
+targets this machine reaches one at a time, and stops before searching.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,12 +29,15 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.records import RequestRecord
+from loadtest.records import RequestRecord, read_records
+from loadtest.summary import request_tbt_p99
 from slotune.slo import SLO
+from slotune.units import format_duration
 from tuner.trials.arrangement import Arrangement
-from tuner.measure.measurement import CONFIG_FAILURES, MACHINERY_FAILURES, MeasurementSpec, figures, segment_seed, \
-    window_records
-from tuner.measure.statistics import Interval, upper_verdict
+from tuner.measure.measurement import CONFIG_FAILURES, MACHINERY_FAILURES, MeasurementSpec, Reached, figures, \
+    reached, segment_seed, window_records
+from tuner.measure.dependence import attainment_interval, block_counts
+from tuner.measure.statistics import Interval, lower_verdict, upper_verdict
 from tuner.trials.trial_backend import TrialBackend
 from tuner.trials.trial_runner import TrialOutcome
 from slotune import result_files as files
@@ -47,10 +56,25 @@ class Floor:
     reason: str | None = None  # why it could not be measured
     arrangement: str = ""  # where the load generator runs (tuner/trials/arrangement.py): the least disturbing one tried
     by_arrangement: dict[str, Any] = field(default_factory=dict)  # batch-1 p99 TBT interval per arrangement tried
+    alone: OneAtATime | None = None  # the SLO judged one request at a time (batch 1, no queue)
 
     def below(self, slo: SLO) -> bool:
-        """The TBT target is below what one request at a time gets here, beyond the noise."""
-        return slo.tbt_p99 is not None and upper_verdict(self.tbt_p99_batch1, slo.tbt_p99) == "missed"
+        """No config can meet ``slo`` here, beyond the noise: the TBT target is below the pooled p99 gap one request at
+        a time gets, or the share of requests that attain one at a time is shown below the target share."""
+        if slo.tbt_p99 is not None and upper_verdict(self.tbt_p99_batch1, slo.tbt_p99) == "missed":
+            return True
+        return self.alone is not None and lower_verdict(self.alone.attainment,
+                                                        self.alone.targets.target_share) == "missed"
+
+    def why_below(self, slo: SLO) -> str:
+        """What :meth:`below` found, in words: the target that binds and what one request at a time gets."""
+        parts = []
+        if slo.tbt_p99 is not None and upper_verdict(self.tbt_p99_batch1, slo.tbt_p99) == "missed":
+            parts.append(f"p99 TBT <= {format_duration(slo.tbt_p99)} is below this machine's floor: one request at a "
+                         f"time already gets p99 TBT {self.tbt_p99_batch1.format('ms', 1000)}")
+        if self.alone is not None:
+            parts.append(self.alone.describe())
+        return "; ".join(parts)
 
     def describe(self) -> str:
         def ms(v: float | None) -> str:
@@ -67,7 +91,66 @@ class Floor:
         return {"tbt_p99_batch1": self.tbt_p99_batch1.as_dict(), "engine_itl_p99_batch1": self.engine_itl_p99_batch1,
                 "step_p99_batch1": self.step_p99_batch1, "step_p99_small_batch": self.step_p99_small_batch,
                 "send_lag_p99": self.send_lag_p99, "reason": self.reason, "arrangement": self.arrangement,
-                "by_arrangement": self.by_arrangement}
+                "by_arrangement": self.by_arrangement, "one_at_a_time": self.alone.as_dict() if self.alone else None}
+
+
+@dataclass(frozen=True)
+class OneAtATime:
+    """The SLO judged on the floor's batch-1 requests, each one's TTFT counted from when the engine took it up."""
+
+    attainment: Interval  # the share attaining the SLO one at a time (on blocks, at the floor's level)
+    targets: Reached  # each target on its own: which binds, and what 90 % of the requests reach one at a time
+
+    def describe(self) -> str:
+        share = f"{self.targets.target_share:.0%}"
+        binds = self.targets.binds()
+        text = (f"one request at a time, {self.attainment.format('%', 100, 3)} of the workload's requests attain "
+                f"the SLO (the target is {share})")
+        if binds:
+            text += "; " + self.targets.describe().split("; ")[0]
+        return (text + f"; the targets this machine reaches for {share} of the requests one at a time: TTFT "
+                f"{self.targets.ttft.format('s', 1, 3)}, p99 TBT {self.targets.tbt.format('ms', 1000, 3)}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"attainment": self.attainment.as_dict(), **self.targets.as_dict()}
+
+
+def own_ttfts(records: list[RequestRecord]) -> dict[int, float]:
+    """Each request's time to first token from when a one-at-a-time engine took it up (``max_num_seqs`` 1 serves in
+    arrival order): its send, or the end of the request before it when that came later. A request never answered
+    gets inf; the one after it is counted from its own send."""
+    out: dict[int, float] = {}
+    free_at = -math.inf
+    for r in sorted(records, key=lambda r: r.intended_send_time):
+        first = r.intended_send_time + r.ttft
+        taken_up = max(r.intended_send_time, free_at)
+        out[r.index] = first - taken_up if r.status == "ok" and math.isfinite(first) else math.inf
+        free_at = r.finish_time if math.isfinite(r.finish_time) else -math.inf
+    return out
+
+
+def one_at_a_time(outcomes: list[TrialOutcome], slo: SLO, spec: MeasurementSpec, rate: float) -> OneAtATime | None:
+    """The SLO judged on the windows of batch-1 ``outcomes``, each request's TTFT its own (:func:`own_ttfts`, over the
+    whole load test so that a window's first request knows the warm-up's last); None when nothing was measured."""
+    ttfts: list[list[float]] = []
+    tbts: list[list[float]] = []
+    for o in outcomes:
+        path = Path(o.out_dir) / files.RECORDS if o.out_dir is not None else None
+        if path is None or not path.exists():
+            continue
+        own = own_ttfts(read_records(str(path)))
+        window = sorted(window_records(o), key=lambda r: r.scheduled_at)
+        if window:
+            ttfts.append([own.get(r.index, math.inf) for r in window])
+            tbts.append([request_tbt_p99(r) if r.status == "ok" else math.inf for r in window])
+    if not ttfts:
+        return None
+    block = spec.block_at(rate)
+    targets = reached(ttfts, tbts, slo, spec, block)
+    attaining = [[(slo.ttft_p99 is None or t <= slo.ttft_p99) and (slo.tbt_p99 is None or g <= slo.tbt_p99)
+                  for t, g in zip(tw, gw)] for tw, gw in zip(ttfts, tbts)]
+    blocks = [b for w in attaining for b in block_counts(w, block)]
+    return OneAtATime(attainment_interval(blocks, spec.level, spec.target_share), targets)
 
 
 def _ms(v: float | None) -> str:
@@ -128,7 +211,7 @@ def measure_floor(backend: TrialBackend, out_dir: Path, rate: float = 1.0, spec:
     reason = None if any(s.get("completed") for s in summaries) else (one[-1].reason or "no request completed")
     floor = Floor(f.tbt_p99, max(itl) if itl else None, _decode_step_p99(one, 1, 1), _decode_step_p99(small, 2, 4),
                   max(lags) if lags else None, reason, chosen.describe() if chosen is not None else "",
-                  by_arrangement)
+                  by_arrangement, one_at_a_time(one, backend.slo, spec, rate))
     (Path(out_dir) / "floor.json").write_text(json.dumps(floor.as_dict(), indent=1) + "\n")
     return floor, [o for _, outs, _ in tried for o in outs] + small
 

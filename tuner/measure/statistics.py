@@ -18,7 +18,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from scipy import stats
@@ -43,6 +43,15 @@ class Interval:
 
         return {"value": finite(self.value), "low": finite(self.low), "high": finite(self.high),
                 "level": self.level, "n": self.n}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Interval:
+        """An interval as :meth:`as_dict` wrote it (an unbounded side, or no value, read back as such)."""
+        def read(key: str, missing: float) -> float:
+            return missing if d.get(key) is None else float(d[key])
+
+        return cls(read("value", math.nan), read("low", -math.inf), read("high", math.inf), float(d["level"]),
+                   int(d.get("n") or 0))
 
     def contains(self, x: float) -> bool:
         return self.low <= x <= self.high

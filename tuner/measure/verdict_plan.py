@@ -37,27 +37,31 @@ class VerdictPlan:
         return cls(measurement_spec(policy), policy.verdict.candidates, policy.verdict.window, policy.warmup,
                    1 + policy.capacity.resolution)
 
-    def spec_for(self, default: bool, beside: bool = True) -> MeasurementSpec:
-        """The measurement of one side (the default beside a candidate, or at its own ceiling): at its pool level,
-        in one sustained window of its length."""
+    def spec_for(self, default: bool, beside: bool = True, rate: float = 0.0) -> MeasurementSpec:
+        """The measurement of one side (the default beside a candidate, or at its own ceiling) at ``rate``: at its
+        pool level, in one sustained window of its length."""
         level = pool_levels(self.spec.level, self.candidates)[1 if default else 0]
-        return replace(self.spec, level=level, sustained_s=self.window_for(default, beside))
+        return replace(self.spec, level=level, sustained_s=self.window_for(default, beside, rate))
 
-    def window_for(self, default: bool, beside: bool = True) -> float:
+    def window_for(self, default: bool, beside: bool = True, rate: float = 0.0) -> float:
+        """The sustained window of one side at ``rate`` (0: a rate of 1 req/s or more): it holds the blocks, not the
+        seconds, a candidate needs, so a low rate gets a longer window (a block is at least MIN_BLOCK requests)."""
         spec = replace(self.spec, level=pool_levels(self.spec.level, self.candidates)[0])
-        candidate = max(self.window, math.ceil(SHOW_MARGIN * spec.blocks_to_show()) * spec.block_s)
+        candidate = max(self.window, spec.seconds_for_blocks(math.ceil(SHOW_MARGIN * spec.blocks_to_show()), rate))
         if not default:
             return candidate
         return max(self.window, candidate / 2) if beside else self.window
 
-    def round_s(self, plan: list[tuple[bool, bool]]) -> float:
-        """A round of measurements (default?, beside a candidate?), a warm-up (and a config change) before each,
-        no idle waits."""
-        return sum(self.window_for(default, beside) + self.warmup + self.switch_s for default, beside in plan)
+    def round_s(self, plan: list[tuple[bool, bool, float]]) -> float:
+        """A round of measurements (default?, beside a candidate?, rate), a warm-up (and a config change) before
+        each, no idle waits."""
+        return sum(self.window_for(default, beside, rate) + self.warmup + self.switch_s
+                   for default, beside, rate in plan)
 
     def full_round_s(self) -> float:
         """A first round: each candidate, the default beside each, and the default at its own ceiling."""
-        return self.round_s([(False, True)] * self.candidates + [(True, True)] * self.candidates + [(True, False)])
+        return self.round_s([(False, True, 0.0)] * self.candidates + [(True, True, 0.0)] * self.candidates
+                            + [(True, False, 0.0)])
 
     @property
     def rates_per_candidate(self) -> int:
@@ -69,7 +73,7 @@ class VerdictPlan:
         return not c.is_default or ceiling_rate(c, self.step) != rate_key(rate)
 
     def spec_at(self, c: Contender, rate: float) -> MeasurementSpec:
-        return self.spec_for(c.is_default, self.beside(c, rate))
+        return self.spec_for(c.is_default, self.beside(c, rate), rate)
 
     def measure(self, backend: TrialBackend, c: Contender, rate: float, draw: int, out_dir: Path) -> Measurement:
         """One sustained verdict measurement of ``c`` at ``rate`` on arrival draw ``draw``, in
@@ -79,7 +83,7 @@ class VerdictPlan:
 
     def round_cost(self, plan: list[tuple[Contender, float]]) -> float:
         """What a round of these measurements takes (paired_verdict's ``cost``)."""
-        return self.round_s([(c.is_default, self.beside(c, r)) for c, r in plan])
+        return self.round_s([(c.is_default, self.beside(c, r), r) for c, r in plan])
 
 
 def sample_of(m: Measurement, draw: int) -> Sample:

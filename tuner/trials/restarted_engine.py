@@ -15,6 +15,7 @@ runs under (tuner/trials/server_guard.py), which ends the group when the kernel 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import secrets
@@ -35,6 +36,8 @@ from tuner.trials.engine_kinds import ServerKind, vllm_resolved
 STARTUP_TIMEOUT_S = 600.0  # vLLM's compiled mode takes ~1.5 min to start on a 2-core CPU
 _ERROR_LINE = re.compile(r"(Error|Exception|error:|ERROR)")
 _RAISED = re.compile(r"\b[A-Z]\w*(Error|Exception): \S")
+_VALIDATION = re.compile(r"\d+ validation errors? for \w+$")
+_PYDANTIC_TAG = re.compile(r"\s*\[type=.*$")
 
 
 class StartFailed(ConfigRejected):
@@ -50,6 +53,7 @@ class ServerStart:
     log: str
     ok: bool
     reason: str | None = None
+    warm_s: float = 0.0  # the warm-up load after it answered (TrialRunner.server_warmup), not measured
 
 
 @dataclass
@@ -69,6 +73,7 @@ class RestartedEngine:
         self.resolved: dict[str, Any] | None = None  # the engine's defaults as it resolved them
         self.log_path: str = ""
         self.prefix_reset = self.kind.prefix_reset  # found on the server when the kind does not name one
+        self.cold = False  # the running server has served nothing yet (TrialRunner warms it before it measures)
 
     # ------------------------------------------------------------------------------------------------ config
 
@@ -149,7 +154,13 @@ class RestartedEngine:
             self.starts.append(ServerStart(dict(flags), time.monotonic() - t0, self.log_path, False, str(failed)))
             raise
         self.flags = dict(flags)
+        self.cold = True
         self.starts.append(ServerStart(dict(flags), time.monotonic() - t0, self.log_path, True))
+
+    def warmed(self, seconds: float) -> None:
+        """The running server has had its warm-up load (``seconds`` of it, counted with its start)."""
+        self.cold = False
+        self.starts[-1] = dataclasses.replace(self.starts[-1], warm_s=seconds)
 
     def _wait_ready(self) -> None:
         """Until the server answers /health and lists its model; StartFailed when it exits or the time runs out."""
@@ -193,7 +204,8 @@ class RestartedEngine:
         self.flags = None
 
     def restart_seconds(self) -> float:
-        return sum(s.seconds for s in self.starts)
+        """What the starts cost: starting each server and warming it."""
+        return sum(s.seconds + s.warm_s for s in self.starts)
 
     def __enter__(self) -> "RestartedEngine":
         return self
@@ -211,9 +223,22 @@ def engine_reason(log_path: str, lines: int = 200) -> str:
         return "no log"
     # vLLM's last line points back at the cause ("See root cause above"): passed over
     told = [line for line in tail if not line.startswith("$ ") and "root cause above" not in line]
-    raised = [line for line in told if _RAISED.search(line)]  # an exception's own message
+    raised = [i for i, line in enumerate(told) if _RAISED.search(line)]  # an exception's own message
+    if raised:
+        return _with_details(told, raised[-1])[:400]
     errors = [line for line in told if _ERROR_LINE.search(line)]
-    return (raised or errors or tail or ["nothing in its log"])[-1][:400]
+    return (errors or tail or ["nothing in its log"])[-1][:400]
+
+
+def _with_details(lines: list[str], at: int) -> str:
+    """The exception line at ``at`` with the details a validation error prints under it (pydantic's "1 validation
+    error for SchedulerConfig" says which setting only on its next line), their links and type tags left out."""
+    text = lines[at]
+    if _VALIDATION.search(text):
+        details = [_PYDANTIC_TAG.sub("", line).strip() for line in lines[at + 1:at + 4]
+                   if not line.startswith(("For further information", "(APIServer", "(EngineCore"))]
+        text = ": ".join([text] + [d for d in details if d][:2])
+    return text
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

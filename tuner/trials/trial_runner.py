@@ -50,6 +50,7 @@ from slotune import result_files as files
 __all__ = ["TrialOutcome", "TrialRunner", "step_stats", "TRIAL_FORMAT", "feasibility"]
 
 TRIAL_FORMAT = "slotune-trial/1"
+WARMUP_SEED = 2_147_483_629  # the arrivals of a fresh server's warm-up: a draw no measured window is given
 
 # Set by tune's SIGINT/SIGTERM handler. The handler also raises KeyboardInterrupt, but an exception raised in a
 # signal handler can be swallowed (e.g. inside a fork hook); the flag is checked between the steps of a trial.
@@ -116,6 +117,7 @@ class TrialRunner:
     step_poll_s: float | None = STEP_POLL_S  # read the step records this often during the load test (None: after it)
     on_progress: Callable[[dict[str, Any]], None] | None = None
     busy_cores: float | None = BUSY_CORES  # other processes' CPU that voids a window (None: recorded, not judged)
+    server_warmup: float = 0.0  # seconds of load on each fresh server of a RestartedEngine before it is measured
 
     def __post_init__(self) -> None:
         if isinstance(self.workload, str):
@@ -188,7 +190,7 @@ class TrialRunner:
         check_stop()
         self._ensure_engine()
         try:
-            knobs, first_step = self._apply(knobs)
+            knobs, first_step = self._apply(knobs, rate)
         except _NotMeasured as failed:
             return self._fail(failed.knobs, out_dir, rate, failed.reason)
         cfg = self.load_config(rate, out_dir, seed, duration)
@@ -232,9 +234,10 @@ class TrialRunner:
         pid = serving_pid(self.handle.url)
         return HostLoad(judged=pid is not None or not is_local(self.handle.url), also=(pid,) if pid is not None else ())
 
-    def _apply(self, knobs: dict[str, Any]) -> tuple[dict[str, Any], int]:
-        """Apply ``knobs`` to the idle engine from a cleared prefix cache; returns the knobs as applied and the
-        step to read the engine's step records on from. Raises _NotMeasured when it cannot."""
+    def _apply(self, knobs: dict[str, Any], rate: float) -> tuple[dict[str, Any], int]:
+        """Apply ``knobs`` to the idle engine from a cleared prefix cache (a fresh server warmed at ``rate`` first);
+        returns the knobs as applied and the step to read the engine's step records on from. Raises _NotMeasured
+        when it cannot."""
         if isinstance(self.engine, RestartedEngine):
             try:  # the server of this config: the running one, or a new one started with its flags
                 knobs = self.engine.apply(knobs)
@@ -244,6 +247,8 @@ class TrialRunner:
                 raise _NotMeasured(knobs, f"rejected by the engine: {error}") from None
             except EngineError as error:
                 raise _NotMeasured(knobs, f"could not start the engine: {error}") from None
+            if self.engine.cold:
+                self._warm_server(rate)
         if not self.handle.wait_idle(self.idle_timeout):
             raise _NotMeasured(knobs, f"the engine did not become idle within {self.idle_timeout:.0f}s")
         # the step to read on from: taken while idle, before the config change and the reset (the window's steps
@@ -263,6 +268,25 @@ class TrialRunner:
         except EngineError as error:
             raise _NotMeasured(applied, f"could not reset the prefix cache: {error}") from None
         return applied, first_step
+
+    def _warm_server(self, rate: float) -> None:
+        """Load a fresh server with the workload at ``rate`` for ``server_warmup`` seconds before its first window.
+        Its first request of each shape builds kernels for it (vLLM's CPU build: the first prompt of a length takes
+        about twice as long as the next), a start-up cost that would otherwise land on the first rate measured.
+        The arrivals are a draw no window uses; the load test's records are kept beside the server's log."""
+        assert isinstance(self.engine, RestartedEngine) and isinstance(self.workload, WorkloadSpec)
+        assert isinstance(self.slo, SLO)
+        t0 = time.monotonic()
+        if self.server_warmup > 0:
+            out = Path(self.engine.log_path).with_suffix(".warmup")
+            cfg = load_config_for(self.workload, self.slo, rate, self.server_warmup, WARMUP_SEED, self.drain_timeout,
+                                  url=self.handle.url, out=str(out))
+            try:
+                run_loadtest(cfg, realtime=self.realtime, cpus=self.generator_cpus,
+                             timeout=60.0 + cfg.duration + self.drain_timeout + 30.0)
+            except LoadTestError:
+                pass  # the window's own load test meets and reports whatever failed here
+        self.engine.warmed(time.monotonic() - t0)
 
     def _measure(self, knobs: dict[str, Any], out_dir: Path, rate: float, cfg: LoadConfig,
                  run_summary: dict[str, Any], watch: _LoadWatch,
