@@ -29,7 +29,7 @@ def run_on_the_simulator(tmp_path: Path, tbt: float, capsys: pytest.CaptureFixtu
     if searches_budget is not None:  # a time budget spent before the searches (less than one verdict round)
         policy = policy.replace(time_budget=searches_budget)
     policy = policy.replace(slo=policy.slo.__class__(tbt_p99=tbt, ttft_p99=ttft))
-    args = build_parser().parse_args(["--out", str(tmp_path / "out" / "tuned.yaml"), "--screen", "6"]
+    args = build_parser().parse_args(["--out", str(tmp_path / "out" / "tuned.yaml"), "--screen", "6", "--seed", "0"]
                                      + (["--apply"] if apply_to else []))
     storage = open_storage(f"sqlite:///{tmp_path}/study.db")
     session = TuneSession(args, policy, storage, None)
@@ -62,6 +62,9 @@ def test_the_capacity_flow_on_the_simulator_claims_only_what_long_runs_confirm(
     rc, out, _ = run_on_the_simulator(tmp_path, 0.050, capsys)
     assert rc == 0, out
     assert "floor: batch-1 p99 TBT" in out and "screened" in out
+    # the screen's design is the run's, recorded
+    assert "screening 6 configs of a Latin hypercube over the 1200 combinations (design seed 0, kept in the study)" \
+        in out, out
     # a search's line: where it read the knee, and apart from it what it showed at its level
     assert re.search(r"\[1/3\] #0 default config \| searched [\d.]+ req/s \([\d.]+-[\d.?]+\), shown at 95%: served "
                      r"(no rate|[\d.]+ req/s), missed (no rate|[\d.]+ req/s)", out), out
@@ -70,6 +73,7 @@ def test_the_capacity_flow_on_the_simulator_claims_only_what_long_runs_confirm(
                                      out).groups())  # type: ignore[union-attr]
     assert high / low <= 1.15 + 1e-6 or len(re.findall(r"^    [\d.]+ req/s:", out.split("[1/3]")[0], re.M)) == 5, out
     doc = yaml.safe_load((tmp_path / "out" / "tuned.yaml").read_text())
+    assert doc["evidence"]["design_seed"] == 0
     verdict = doc["evidence"]["verdict"]
     claims = [(c["knobs"], p["rate"], p["verdict"]) for c in [verdict["default"]] + verdict["candidates"]
               for p in c["pools"] if p["verdict"] != "undecided"]
@@ -94,7 +98,14 @@ def test_the_capacity_flow_on_the_simulator_claims_only_what_long_runs_confirm(
         cap = doc[side]["capacity_req_per_s"]
         assert {"bracket", "level", "contradictions"} <= set(cap) and doc[side]["rounds"] >= 1
         assert all(p["requests"] >= p["attaining"] >= 0 and p["blocks"] >= 1 for p in doc[side]["pools"])
-    assert doc["evidence"]["confirmed"] and all(row["predicted"] is not None for row in doc["evidence"]["confirmed"])
+    # every config the engine searched beside the simulator's twin of its search, the default's included
+    rows = doc["evidence"]["confirmed"]
+    assert {row["role"] for row in rows} == {"default", "screened"} and len(rows) == 3
+    assert all(row["predicted"] is not None for row in rows if row["role"] == "screened")
+    error = doc["evidence"]["simulator_error"]
+    assert error["configs"] == 3 and error["median_capacity_error"] is not None
+    assert re.search(r"the simulator against the engine over 3 configs: capacity error median \d+% \(largest \d+%\), "
+                     r"\d of 3 brackets meet, rank correlation (-?[\d.]+|-)", out), out
     assert "&id" not in (tmp_path / "out" / "tuned.yaml").read_text()
     assert (tmp_path / "out" / "tuned.html").exists()
 

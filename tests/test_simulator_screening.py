@@ -53,6 +53,30 @@ def test_sampled_configs_cover_the_space_without_repeats() -> None:
     assert sorted(map(str, sampled)) == sorted(map(str, space))
 
 
+def test_the_screen_sees_a_space_filling_design_of_the_default_space_seeded_per_run() -> None:
+    """Not the same random points every run: a Latin hypercube on the run's seed, every value of each knob seen, the
+    configs spread over the pairs of knobs; a space no larger than the screen is screened whole."""
+    from policies import load_policy
+    from tuner.search.design import screen_design, space_size, whole_space
+
+    policy = load_policy()
+    assert space_size(policy) > 40
+    design = screen_design(policy, 40, seed=11)
+    knobs = [k for k, _ in design]
+    assert len({str(sorted(k.items())) for k in knobs}) == 40
+    assert all(k["chunk_size"] <= k["max_num_batched_tokens"] and k["max_num_seqs"] <= k["max_num_batched_tokens"]
+               for k in knobs)
+    for name in ("max_num_batched_tokens", "chunk_size", "block_size"):  # every drawn value of each listed knob
+        values = set(policy.knob(name).domain.values)  # type: ignore[union-attr]
+        assert {p[name] for _, p in design} == values, name
+    seqs = sorted(p["max_num_seqs"] for _, p in design)  # the log range stratified: both ends reached
+    assert seqs[0] <= 2 and seqs[-1] >= policy.knob("max_num_seqs").high // 2
+    budget_seqs = {(p["max_num_batched_tokens"], p["max_num_seqs"] <= 4) for _, p in design}
+    assert len(budget_seqs) >= 8  # spread over the pairs, not clustered
+    assert screen_design(policy, 40, seed=11) == design and screen_design(policy, 40, seed=12) != design
+    assert [k for k, _ in screen_design(POLICY, 500, seed=3)] == [k for k, _ in whole_space(POLICY)]
+
+
 def test_search_comparison_curves_and_the_grid(runner: SimTrialRunner) -> None:
     grid = grid_configs(POLICY)
     assert [(g["max_num_seqs"], g["max_num_batched_tokens"]) for g in grid[:5]] == \

@@ -27,7 +27,7 @@ from tuner.measure.measurement import Measurement, Reached
 from engine.knobs import short_knobs
 from tuner.output import write_report, write_tuned_yaml, write_vllm
 from tuner.simulation.simulator_trial import SimTrialRunner
-from tuner.search.confirmation import confirmed_rows
+from tuner.search.confirmation import confirmed_rows, error_words, simulator_error
 from tuner.search.study import ROLE_DEFAULT, TrialReport, longest_trial_s, measured, run_trials, starts_in_time
 from tuner.trials.engine_handle import ConfigRejected, EngineError
 from tuner.trials.trial_runner import TrialRunner
@@ -125,6 +125,7 @@ class CapacityRun:
         refitted to all the real trials so far and, when it moved, the configs are screened again, so that each next
         screened trial is the best at the engine's present speed."""
         from tuner.search.rescreen import Rescreen, rescale_text, speed_scale
+        from tuner.search.design import design_words
         from tuner.search.screening import SCREEN_DRAWS, SCREEN_REDRAWN, engine_dtype, load_profile, screen_capacity
 
         n = self.s.screen or SCREENED
@@ -141,14 +142,15 @@ class CapacityRun:
             sim = self.twin(model)
             scaled = rescale_text(model)
             if not rescreen.rankings:
-                say(f"{PROG}: screening {n} configs for capacity in the simulator"
+                say(f"{PROG}: screening {design_words(self.p, n, self.s.design_seed)} for capacity in the simulator"
                     + (f" ({scaled})" if scaled else "") + f", the best {SCREEN_REDRAWN} on {SCREEN_DRAWS} arrival "
                     "draws ...")
             else:
                 say(f"{PROG}: the engine's speed moved from x{rescreen.scale:.2f} to x{speed_scale(model):.2f} "
                     f"({scaled}): screening the {n} configs again ...")
             t0 = time.monotonic()
-            ranked = screen_capacity(self.p, sim, n, self.s.trials_dir / "screen" / f"ranking-{rescreen.rankings}")
+            ranked = screen_capacity(self.p, sim, n, self.s.trials_dir / "screen" / f"ranking-{rescreen.rankings}",
+                                     seed=self.s.design_seed)
             names = [k.name for k in self.p.search_space]
             say(f"{PROG}: screened {len(ranked)} configs in {format_duration(time.monotonic() - t0)}; the best "
                 f"{top} by their worst draw: " + ", ".join(
@@ -287,8 +289,16 @@ class CapacityRun:
             c = next((c for c in in_verdict if c.knobs == knobs), None)
             return c.shown().as_list() if c is not None else None
 
+        if self.s.engine_name != "slotune":  # the simulator's step times are calibrated on slotune's engine only
+            return []
         model = self.rescreen.fitted(self.study) if self.rescreen is not None else None
-        return confirmed_rows(self.study, self.twin(model), self.p, self.s.trials_dir / "twin", sustained)
+        rows = confirmed_rows(self.study, self.twin(model), self.p, self.s.trials_dir / "twin", sustained)
+        summary = simulator_error(rows)
+        self.study.set_user_attr("simulator_vs_engine", {**summary, "rows": [
+            {k: r[k] for k in ("trial", "knobs", "measured", "bracket", "twin", "twin_bracket", "predicted")}
+            for r in rows]})
+        say(f"{PROG}: {error_words(summary)}")
+        return rows
 
     def restarts_text(self) -> str:
         """With a server per configuration: how much of the run went to starting servers."""
@@ -319,9 +329,11 @@ class CapacityRun:
         vllm_path = s.out.with_suffix(".vllm.txt")
         kind = s.engine_name
         vllm = write_vllm(vllm_path, chosen.knobs, self.model, kind)
+        confirmed = self.confirmed(result)
         evidence: dict[str, Any] = {"verdict": result.as_dict(), "verdict_line": line, "floor": self.floor,
                                     "tuned_is_default": chosen is result.default, "held": held,
-                                    "confirmed": self.confirmed(result)}
+                                    "confirmed": confirmed, "simulator_error": simulator_error(confirmed),
+                                    "design_seed": s.design_seed}
         write_tuned_yaml(s.out, knobs=chosen.knobs, slo=p.slo.as_dict(), workload=p.workload.as_dict(), rate=0.0,
                          rate_reason="capacity objective: the rate is searched per config", objective=p.objective,
                          model=self.model, study_name=s.study_name,

@@ -23,6 +23,7 @@ class RunContext:
     trials_dir: Path  # the trials' folders
     started: float  # time.monotonic() when the run started (its time budget counts from here)
     draws: Draws  # the run's arrival draws, from its seed
+    design_seed: int  # the screen's space-filling design (tuner/search/design.py)
     screen: int | None  # --screen N: configs the simulator screens (None: the objective's own number)
     apply: bool  # --apply: leave the tuned config in the engine at --engine-url
     handle: EngineHandle | None  # the engine's API (the running server's, with a server per configuration)

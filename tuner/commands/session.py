@@ -5,6 +5,7 @@ knobs in the engine, otherwise a given engine gets its original config back."""
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -54,6 +55,9 @@ class TuneSession:
         self.applied = False
         self.rescreen: Rescreen | None = None  # --screen: the screen kept at the engine's speed
         self.draws = Draws(policy.seed)
+        # the screen's space-filling design: the run's seed when one is given, else a fresh one per run (recorded in
+        # the study, so that a resumed run screens the same configs, and in tuned.yaml)
+        self.design_seed = args.seed if getattr(args, "seed", None) is not None else secrets.randbelow(2**31)
 
     # ---------------------------------------------------------------------------------------------- engine
 
@@ -148,8 +152,8 @@ class TuneSession:
     def context(self) -> RunContext:
         """What the objective's runner needs of this run."""
         return RunContext(self.policy, self.study_name, self.storage_url(), self.out, self.trials_dir, self.started,
-                          self.draws, getattr(self.args, "screen", None), bool(getattr(self.args, "apply", False)),
-                          self.handle, self.kind, self.restarted)
+                          self.draws, self.design_seed, getattr(self.args, "screen", None),
+                          bool(getattr(self.args, "apply", False)), self.handle, self.kind, self.restarted)
 
     def storage_url(self) -> str:
         return str(getattr(self.storage, "url", type(self.storage).__name__))
@@ -160,6 +164,8 @@ class TuneSession:
         for k, v in {"slo": p.slo.as_dict(), "workload": p.workload.as_dict(), "objective": p.objective,
                      "model": model, "policy": p.to_dict()}.items():
             study.set_user_attr(k, v)
+        self.design_seed = int(study.user_attrs.get("design_seed", self.design_seed))
+        study.set_user_attr("design_seed", self.design_seed)
         recovered = recover_orphans(study)
         if recovered:
             say(f"{PROG}: trial(s) {', '.join(map(str, recovered))} of a run that died are marked failed and redone")
@@ -205,7 +211,7 @@ class TuneSession:
                     f"({scaled or 'not rescaled'}; the real trials so far): screening the {n} configs again ...")
             t0 = time.monotonic()
             ranked = screen(policy=self.policy, runner=sim_runner_like(runner, model=model), n=n,
-                            out_dir=self.trials_dir)
+                            out_dir=self.trials_dir, seed=self.design_seed)
             if not rescreen.rankings:
                 feasible = sum(s.outcome.feasible for s in ranked)
                 say(f"{PROG}: screened {len(ranked)} configs in {format_duration(time.monotonic() - t0)}: {feasible} "

@@ -15,7 +15,6 @@ a real study) on a backend that looks each config's outcome up (:class:`LookupBa
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import statistics
 import warnings
@@ -26,7 +25,8 @@ from typing import Any, Callable, Sequence
 import optuna
 
 from slotune.slo import SLO
-from policies import Choices, IntRange, Policy
+from tuner.search.design import config_key as key, whole_space
+from policies import Policy
 from tuner.search.objective import goodput, slo_constraints
 from tuner.search.study import TrialReport, enqueue_default, make_sampler, run_trials
 from tuner.simulation.simulator_trial import SimTrialRunner
@@ -60,23 +60,10 @@ class LookupBackend:
         return outcome
 
 
-def key(knobs: dict[str, Any]) -> str:
-    return json.dumps(knobs, sort_keys=True)
-
-
 def space_configs(policy: Policy) -> list[dict[str, Any]]:
     """Every config of the policy's space (integer ranges at each step, by one when they have none; a float range
     needs a step), constraints repaired, deduplicated."""
-    axes = []
-    for k in policy.search_space:
-        d = k.domain
-        values = d.values if isinstance(d, Choices) else d.values() if isinstance(d, IntRange) else k.grid_values()
-        axes.append([(k.name, v) for v in values])
-    out: dict[str, dict[str, Any]] = {}
-    for combo in itertools.product(*axes):
-        knobs = policy.repair({**policy.fixed, **dict(combo)})
-        out.setdefault(key(knobs), knobs)
-    return list(out.values())
+    return [knobs for knobs, _ in whole_space(policy)]
 
 
 def evaluate_space(policy: Policy, runner: SimTrialRunner, extra: Sequence[dict[str, Any]] = (),

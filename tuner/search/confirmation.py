@@ -1,6 +1,6 @@
 """The simulator against the engine, config by config.
 
-For each screened config the engine searched, the simulator's capacity found the way the engine's was: a twin of
+For each config the engine searched (the default's included), the simulator's capacity found the way the engine's was: a twin of
 the engine's search run on the simulator (the same measurement sizing, the same first rate and step, each probe on
 the same arrival draw; the step-time model rescaled to all the engine's steps). While the two agree at each probe
 they walk the same rates, so where they part is where the step-time model and the engine part. Beside it, the
@@ -77,6 +77,38 @@ def same_windows(sim: TrialBackend, policy: Policy, knobs: dict[str, Any], searc
     return pairs, bracket_of(verdicts)
 
 
+def simulator_error(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The simulator's error on what the search acts on, over a run's configs: |twin / engine - 1| of the searched
+    capacities (median and largest), how many twin brackets meet the engine's, and the Spearman rank correlation of
+    the two capacities (whether the simulator orders the configs as the engine does; None with fewer than three
+    configs or a tie throughout). A run searches a handful of configs: these describe the run, they bound nothing
+    (benchmarks/tune_quality.py measures a design of configs for that)."""
+    from scipy import stats
+
+    pairs = [(float(r["twin"]), float(r["measured"])) for r in rows
+             if r.get("measured") and r.get("twin") is not None]
+    errors = [abs(twin / got - 1) for twin, got in pairs]
+    rho = None
+    if len(pairs) >= 3 and len({t for t, _ in pairs}) > 1 and len({g for _, g in pairs}) > 1:
+        rho = float(stats.spearmanr([t for t, _ in pairs], [g for _, g in pairs]).statistic)
+    return {"configs": len(pairs), "median_capacity_error": statistics.median(errors) if errors else None,
+            "largest_capacity_error": max(errors) if errors else None,
+            "brackets_meet": sum(bool(r.get("agrees")) for r in rows), "spearman": rho}
+
+
+def error_words(summary: dict[str, Any]) -> str:
+    """``the simulator against the engine over 4 configs: capacity error median 8% (largest 21%), 3 of 4 brackets
+    meet, rank correlation 0.8``."""
+    n = summary["configs"]
+    if not n:
+        return "the simulator against the engine: no config with a searched capacity on both"
+    rho = summary["spearman"]
+    return (f"the simulator against the engine over {n} configs: capacity error median "
+            f"{summary['median_capacity_error']:.0%} (largest {summary['largest_capacity_error']:.0%}), "
+            f"{summary['brackets_meet']} of {n} brackets meet, rank correlation "
+            + ("-" if rho is None else f"{rho:.2f}"))
+
+
 def reading(verdict: str, attainment: float) -> str:
     """How a probe steers a search (Capacity.steer): "met" where shown met or read at least the target share."""
     return "met" if verdict == "met" or (verdict != "missed" and attainment >= TARGET_SHARE) else "missed"
@@ -109,11 +141,12 @@ def brackets_meet(a: Bracket, b: Bracket) -> bool:
 
 def confirmed_rows(study: optuna.Study, sim: TrialBackend, policy: Policy, out_dir: Path,
                    sustained: Callable[[dict[str, Any]], Bracket | None]) -> list[dict[str, Any]]:
-    """One row per screened config the engine searched: the screen's prediction, the twin search's capacity and
-    bracket, the engine's, and ``sustained(knobs)``: the verdict's bracket for a candidate it measured, else None."""
+    """One row per config the engine searched: the screen's prediction (a screened config's), the twin search's
+    capacity and bracket, the engine's, and ``sustained(knobs)``: the verdict's bracket for a candidate it measured,
+    else None."""
     rows = []
     for t in measured(study):
-        if t.user_attrs.get("role") != "screened" or "capacity" not in t.user_attrs:
+        if "capacity" not in t.user_attrs:
             continue
         searched = t.user_attrs["capacity"]
         knobs = dict(t.user_attrs.get("knobs") or {})
@@ -126,7 +159,8 @@ def confirmed_rows(study: optuna.Study, sim: TrialBackend, policy: Policy, out_d
                                              out_dir / f"trial-{t.number:04d}-windows") if folder else ([], [0.0, None])
         twin_bracket = twin.bracket
         predicted, got = t.user_attrs.get("screen_predicted_capacity"), t.values[0]
-        rows.append({"trial": t.number, "knobs": knobs, "measured": got, "bracket": engine,
+        rows.append({"trial": t.number, "role": t.user_attrs.get("role"), "knobs": knobs, "measured": got,
+                     "bracket": engine,
                      "twin": twin.low, "twin_bracket": twin_bracket,
                      "twin_probes": [[m.rate, m.verdict] for m in twin.probes],
                      "engine_probes": [[m["rate"], m["verdict"]] for m in searched.get("probes") or []],

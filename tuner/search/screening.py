@@ -20,7 +20,8 @@ import optuna
 
 from slotune.slo import SLO
 from policies import Policy
-from tuner.search.objective import goodput, suggest_knobs
+from tuner.search.design import screen_design
+from tuner.search.objective import goodput
 from engine.knobs import short_knobs
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.simulation.step_time_model import StepTimeModel
@@ -53,28 +54,9 @@ class Screened:
 
 
 def sample_configs(policy: Policy, n: int, seed: int = 0) -> list[dict[str, Any]]:
-    """Up to ``n`` distinct configs drawn uniformly (log-uniformly where the policy says log) from the policy's
-    search space, by the tuner's own sampling code (tuner.search.objective.suggest_knobs) under Optuna's random sampler."""
-    return [knobs for knobs, _ in _sample(policy, n, seed)]
-
-
-def _sample(policy: Policy, n: int, seed: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
-    seen: set[str] = set()
-    out: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    misses = 0
-    while len(out) < n and misses < 500:  # 500 repeats in a row: a small space is exhausted
-        trial = study.ask()
-        knobs = suggest_knobs(trial, policy)
-        key = json.dumps(knobs, sort_keys=True)
-        if key in seen:
-            misses += 1
-            continue
-        misses = 0
-        seen.add(key)
-        out.append((knobs, dict(trial.params)))
-    return out
+    """Up to ``n`` distinct configs of the policy's search space: all of them when there are no more, else a
+    space-filling design on ``seed`` (tuner/search/design.py)."""
+    return [knobs for knobs, _ in screen_design(policy, n, seed)]
 
 
 @dataclass
@@ -107,13 +89,16 @@ class ScreenedCapacity:
 
 
 def screen_capacity(policy: Policy, sim: TrialBackend, n: int, out_dir: Path, draws: int = SCREEN_DRAWS,
-                    redrawn: int = SCREEN_REDRAWN, window_s: float = SCREEN_WINDOW_S) -> list[ScreenedCapacity]:
-    """The capacity of ``n`` configs sampled from ``policy``'s space in the simulator ``sim``: all on one draw, the
-    best ``redrawn`` of them on ``draws`` in all; best first (see :meth:`ScreenedCapacity.rank_key`). Each draw's
-    searches learn their starts from each other (tuner.measure.capacity.CapacitySearcher), as the engine's do."""
+                    redrawn: int = SCREEN_REDRAWN, window_s: float = SCREEN_WINDOW_S,
+                    seed: int | None = None) -> list[ScreenedCapacity]:
+    """The capacity of ``n`` configs of ``policy``'s space (tuner/search/design.py, on ``seed``, default the
+    policy's) in the simulator ``sim``: all on one draw, the best ``redrawn`` of them on ``draws`` in all; best first
+    (see :meth:`ScreenedCapacity.rank_key`). Each draw's searches learn their starts from each other
+    (tuner.measure.capacity.CapacitySearcher), as the engine's do."""
     from tuner.measure.capacity import capacity_searcher
 
-    configs = [ScreenedCapacity(knobs, params) for knobs, params in _sample(policy, n, policy.seed)]
+    design = screen_design(policy, n, policy.seed if seed is None else seed)
+    configs = [ScreenedCapacity(knobs, params) for knobs, params in design]
 
     def search(chosen: list[ScreenedCapacity], draw: int) -> None:
         searcher = capacity_searcher(sim, policy)
@@ -189,7 +174,8 @@ def engine_dtype(runner: TrialRunner | SimTrialRunner) -> str | None:
 def screen(policy: Policy, n: int, runner: SimTrialRunner | TrialRunner, seed: int = 0,
            progress: Callable[[int, int], None] | None = None, *, study: optuna.Study | None = None,
            out_dir: Path | None = None, top: int = CONFIRMED, profile: str | Path | None = None) -> list[Screened]:
-    """Simulate ``n`` configs sampled from ``policy``'s search space; ranked (see :func:`rank`).
+    """Simulate ``n`` configs of ``policy``'s search space (tuner/search/design.py, on ``seed``); ranked (see
+    :func:`rank`).
 
     ``runner`` is a SimTrialRunner, or the tuner's real TrialRunner (then its simulated twin, with ``profile``, runs
     the configs). With ``study``, the ``top`` best are enqueued into it (user attrs ``role: "screened"``,
@@ -200,7 +186,7 @@ def screen(policy: Policy, n: int, runner: SimTrialRunner | TrialRunner, seed: i
     out: list[Screened] = []
     with warnings.catch_warnings():
         warnings.simplefilter("default")  # once per location: a warning per input, not per config
-        sampled = _sample(policy, n, seed)
+        sampled = screen_design(policy, n, seed)
         for i, (knobs, params) in enumerate(sampled):
             out.append(Screened(knobs, sim.run(knobs), params))
             if progress is not None:
