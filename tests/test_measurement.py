@@ -364,6 +364,25 @@ def test_a_requests_own_ttft_one_at_a_time_is_counted_from_when_the_engine_took_
     assert own[3] == math.inf and own[4] == pytest.approx(0.4)
 
 
+def test_one_at_a_time_counts_no_request_the_runs_end_cut_off(tmp_path: Path) -> None:
+    """A slow engine at batch 1 falls behind the floor's rate: the window's last requests are still queued when the
+    run ends. They are censored, not misses; the requests that were served judge the SLO one at a time."""
+    from tuner.measure.floor import one_at_a_time
+
+    served = [RequestRecord(i, scheduled_at=10.0 + i, intended_send_time=100.0 + 3 * i, ttft=0.2, output_tokens=3,
+                            token_times=[100.2 + 3 * i, 100.25 + 3 * i, 100.3 + 3 * i], finish_time=100.3 + 3 * i)
+              for i in range(9)]
+    queued = [RequestRecord(9 + i, scheduled_at=19.0 + i, intended_send_time=127.0 + i, status="unfinished")
+              for i in range(3)]
+    write_records(str(tmp_path / "records.parquet"), served + queued)
+    outcome = TrialOutcome({}, {"window": [0.0, 40.0]}, {}, True, None, tmp_path)
+    alone = one_at_a_time([outcome], SLO(tbt_p99=0.1, ttft_p99=1.0), MeasurementSpec(), rate=1.0)
+    assert alone is not None and alone.attainment.n == 9 and alone.attainment.value == 1.0
+    assert alone.targets.ttft.value == pytest.approx(0.2) and alone.targets.binds() == []
+    tight = one_at_a_time([outcome], SLO(tbt_p99=0.1, ttft_p99=0.1), MeasurementSpec(), rate=1.0)
+    assert tight is not None and tight.attainment.value == 0.0 and tight.targets.binds() == ["ttft"]
+
+
 def test_the_floor_keeps_the_least_disturbing_arrangement_and_flags_an_slo_below_it(tmp_path: Path) -> None:
     from tuner.trials.arrangement import NORMAL, REALTIME, SEPARATE, Arrangement
     from tuner.measure.floor import measure_floor

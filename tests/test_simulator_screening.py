@@ -407,3 +407,31 @@ def test_the_capacity_screen_searches_only_the_best_of_the_first_draw_again(tmp_
     assert len(again) == 3 and len(once) == 5
     assert ranked[:3] == again  # seen on one draw only, a config is not known to hold: it ranks after
     assert min(c.capacities[0] for c in again) >= max(c.capacities[0] for c in once)
+
+
+def test_the_engine_searches_only_the_screened_configs_the_simulator_cannot_tell_from_the_best() -> None:
+    """A clear leader leaves one search; configs whose best draw, raised by the simulator's error allowance, reaches
+    the leader's worst draw are searched too, in rank order; the rest never are."""
+    import optuna
+
+    from tuner.search.objective import suggest_knobs
+    from tuner.search.rescreen import Rescreen
+
+    def params(seqs: int) -> dict[str, int]:
+        return {"max_num_seqs": seqs, "max_num_batched_tokens": 64, "chunk_size": 32}
+
+    ranked = [(params(4), {"screen_capacities": [5.0, 5.2, 5.1]}),
+              (params(3), {"screen_capacities": [4.6, 4.9, 4.7]}),  # 4.9 x 1.15 reaches 5.0
+              (params(2), {"screen_capacities": [3.0, 3.1, 3.2]}),
+              (params(1), {"screen_capacities": [4.0]})]  # 4.0 x 1.15 does not
+    rescreen = Rescreen(None, lambda model: ranked, top=3, margin=0.15)
+    study = optuna.create_study(direction="maximize")
+    searched = []
+    while rescreen.enqueue_next(study) is not None:
+        trial = study.ask()
+        searched.append(suggest_knobs(trial, POLICY)["max_num_seqs"])
+        study.tell(trial, 1.0)
+    assert searched == [4, 3] and rescreen.contenders() == [0, 1]
+    # without the draws' capacities (the goodput screen) every ranked config may be searched, up to ``top``
+    plain = Rescreen(None, lambda model: [(p, {}) for p, _ in ranked], top=3, margin=0.15)
+    assert plain.enqueue_next(optuna.create_study()) is not None and plain.contenders() == [0, 1, 2, 3]

@@ -99,13 +99,24 @@ class CapacityRun:
         # the further searches stop probing at the deadline too: a search that started in time cannot run into the
         # verdict's rounds
         self.searcher.deadline = self.searches_deadline()
-        run_trials(self.study, self.runner, p, p.trials, self.s.trials_dir, on_trial=self.after_trial,
-                   searcher=self.searcher, deadline=self.searcher.deadline)
-        if len(measured(self.study)) < p.trials:
+        while self.rescreen is None or self.waiting():  # screened: while a contender waits (after_trial enqueues)
+            ran = run_trials(self.study, self.runner, p, p.trials, self.s.trials_dir, on_trial=self.after_trial,
+                             searcher=self.searcher, deadline=self.searcher.deadline,
+                             max_runs=None if self.rescreen is None else 1)
+            if self.rescreen is None or not ran:
+                break
+        settled = self.rescreen is not None and not self.rescreen.untried_contenders(self.study)
+        if settled and len(measured(self.study)) < p.trials:
+            say(f"{PROG}: every screened config the simulator cannot tell from the best was searched")
+        elif len(measured(self.study)) < p.trials:
             say(f"{PROG}: the time budget ({format_duration(p.time_budget)}) leaves the verdict two rounds "
                 f"({format_duration(self.verdict_reserve_s())}): no further configs searched "
                 f"(the longest search so far took {format_duration(longest_trial_s(self.study))})")
         return self.finish()
+
+    def waiting(self) -> bool:
+        """A trial waits in the study's queue (the next screened contender)."""
+        return any(t.state == optuna.trial.TrialState.WAITING for t in self.study.get_trials(deepcopy=False))
 
     def trial_line(self, r: TrialReport) -> None:
         names = [k.name for k in self.p.search_space]
@@ -161,9 +172,15 @@ class CapacityRun:
                                "screen_bound": c.bound}) for c in ranked]
 
         rescreen = Rescreen(None if isinstance(self.runner, SimTrialRunner)
-                            else load_profile(dtype=engine_dtype(self.runner)), rank, top=top)
+                            else load_profile(dtype=engine_dtype(self.runner)), rank, top=top,
+                            margin=self.p.capacity.resolution)
         self.rescreen = rescreen
         rescreen.enqueue_next(self.study)
+        near = len(rescreen.contenders())
+        say(f"{PROG}: {near} screened config{'s' if near != 1 else ''} the simulator cannot tell from the best (its "
+            f"best draw, +{self.p.capacity.resolution:.0%} for the simulator's error, reaches the best's worst): the "
+            f"engine searches {'it' if near == 1 else 'them'} in turn, {min(near, top)} at most in this budget"
+            + (" (trials)" if near > top else ""))
 
     def searches_deadline(self) -> float:
         """The further searches leave the verdict two full rounds (its budget at most): a search is not started

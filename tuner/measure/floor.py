@@ -43,6 +43,7 @@ from tuner.trials.trial_runner import TrialOutcome
 from slotune import result_files as files
 
 BATCH_1 = {"max_num_seqs": 1}
+CENSORED = ("unfinished", "not_sent")  # a request's status when the run ended before it did
 SMALL_BATCH = {"max_num_seqs": 4}
 
 
@@ -139,7 +140,9 @@ def one_at_a_time(outcomes: list[TrialOutcome], slo: SLO, spec: MeasurementSpec,
         if path is None or not path.exists():
             continue
         own = own_ttfts(read_records(str(path)))
-        window = sorted(window_records(o), key=lambda r: r.scheduled_at)
+        # a request the run's end cut off (still queued or streaming, or never sent) is censored, not a miss: on a
+        # slow engine one at a time falls behind even a low rate, and the window's last requests wait their turn
+        window = sorted((r for r in window_records(o) if r.status not in CENSORED), key=lambda r: r.scheduled_at)
         if window:
             ttfts.append([own.get(r.index, math.inf) for r in window])
             tbts.append([request_tbt_p99(r) if r.status == "ok" else math.inf for r in window])

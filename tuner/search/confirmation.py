@@ -81,8 +81,7 @@ def simulator_error(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The simulator's error on what the search acts on, over a run's configs: |twin / engine - 1| of the searched
     capacities (median and largest), how many twin brackets meet the engine's, and the Spearman rank correlation of
     the two capacities (whether the simulator orders the configs as the engine does; None with fewer than three
-    configs or a tie throughout). A run searches a handful of configs: these describe the run, they bound nothing
-    (benchmarks/tune_quality.py measures a design of configs for that)."""
+    configs or a tie throughout). A run searches a handful of configs: these describe the run, they bound nothing."""
     from scipy import stats
 
     pairs = [(float(r["twin"]), float(r["measured"])) for r in rows

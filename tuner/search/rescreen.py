@@ -86,6 +86,8 @@ class Rescreen:
     rank: Callable[[StepTimeModel | None], list[Candidate]]
     top: int = CONFIRMED
     tolerance: float = RESCREEN_TOLERANCE
+    # the simulator's error allowance on a capacity (None: every ranked config may be searched, in rank order)
+    margin: float | None = None
     model: StepTimeModel | None = None  # the model of the latest ranking
     ranking: list[Candidate] = field(default_factory=list)
     rankings: int = 0  # how many times it ranked
@@ -113,6 +115,22 @@ class Rescreen:
         self.rankings += 1
         return True
 
+    def contenders(self) -> list[int]:
+        """The ranked configs the simulator cannot tell from the best: those whose best draw, raised by ``margin``,
+        reaches the best config's worst draw (indices into the ranking, best first). Only these are worth the
+        engine's time: one clearly ahead leaves one, a flat top leaves several. All of them without a margin or
+        without the draws' capacities (the goodput screen)."""
+        caps = [c[1].get("screen_capacities") or [] for c in self.ranking]
+        if self.margin is None or not caps or not caps[0]:
+            return list(range(len(self.ranking)))
+        leader = min(caps[0])
+        return [i for i, c in enumerate(caps) if c and max(c) * (1 + self.margin) >= leader]
+
+    def untried_contenders(self, study: optuna.Study) -> int:
+        """How many :meth:`contenders` of the latest ranking the study has not searched."""
+        tried = {_key(t.params) for t in study.get_trials(deepcopy=False, states=_LIVE)}
+        return sum(_key(self.ranking[i][0]) not in tried for i in self.contenders())
+
     def due(self, study: optuna.Study) -> bool:
         """Whether the study's next trial is a screened one: nothing waits in its queue and fewer than ``top``
         screened trials were run, or are running."""
@@ -123,20 +141,23 @@ class Rescreen:
 
     def enqueue_next(self, study: optuna.Study) -> Candidate | None:
         """When a screened trial is :meth:`due`: refit, and enqueue the best config of the ranking that the study
-        has not tried (user attrs ``role: "screened"``, ``screen_rank``, ``screen_scale`` and the prediction).
-        Returns what it enqueued (None: nothing)."""
+        has not tried, among the :meth:`contenders` (user attrs ``role: "screened"``, ``screen_rank``,
+        ``screen_scale`` and the prediction). Returns what it enqueued (None: nothing, also when every contender
+        was searched)."""
         if not self.due(study):
             return None
         self.refit(study)
         live = study.get_trials(deepcopy=False, states=_LIVE)
         tried = {_key(t.params) for t in live}
         untried = [(i, c) for i, c in enumerate(self.ranking) if _key(c[0]) not in tried]
+        near = set(self.contenders())
+        best = [(i, c) for i, c in untried if i in near]
         # a hedge against the simulator's error in one latency: when every config searched so far was bound by one
         # target, the best config (of those ranked near the top) that it does not bound
         bounds = {t.user_attrs.get("screen_bound") or "" for t in live if t.user_attrs.get("role") == "screened"}
         other = [(i, c) for i, c in untried[:HEDGE_WITHIN]
                  if len(bounds) == 1 and "" not in bounds and (c[1].get("screen_bound") or "") not in bounds]
-        for i, (params, prediction) in (other or untried)[:1]:
+        for i, (params, prediction) in (other or best)[:1]:
             study.enqueue_trial(params, user_attrs={"role": "screened", "screen_rank": i + 1,
                                                     "screen_scale": self.scale, **prediction})
             return params, prediction
