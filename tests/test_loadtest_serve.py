@@ -28,6 +28,7 @@ from loadtest.runner import run_loadtest
 from loadtest.schedule import build_schedule
 from loadtest.tokens import PromptBuilder, TokenSpace
 from tests import trace_files
+from tuner.trials.engine_metrics import SLOTUNE_SERIES, histogram_buckets
 
 pytestmark = pytest.mark.slow
 
@@ -72,8 +73,7 @@ def counter(text: str, name: str) -> float:
 
 
 def itl_buckets(text: str) -> dict[float, float]:
-    return {float(m.group(1)): float(m.group(2)) for m in re.finditer(
-        r'^slotune_inter_token_latency_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M)}
+    return histogram_buckets(text, SLOTUNE_SERIES.inter_token_latency)
 
 
 def histogram_quantile(q: float, buckets: dict[float, float]) -> float:

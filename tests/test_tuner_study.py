@@ -26,7 +26,8 @@ from tests.test_measurement import ScriptedBackend
 from tuner.measure.capacity import CapacitySearcher
 from tuner.measure.measurement import MeasurementSpec
 from tuner.search.objective import constraints_func, evaluate_capacity
-from tuner.trials.pruning import PruneWatcher, gaps_above, itl_buckets
+from tuner.trials.engine_metrics import SLOTUNE_SERIES, histogram_buckets
+from tuner.trials.pruning import PruneWatcher, gaps_above
 from tuner.search.structured_start import ROLE_START, START_STEP_ATTR, startup_trials
 from tuner.search.auto_rate import choose_rate
 from tuner.search.study import (HEARTBEAT_STALE_S, ROLE_DEFAULT, SURPLUS_ATTR, Heartbeat, StorageError, best_trial,
@@ -360,6 +361,10 @@ def test_rate_auto_needs_the_default_to_fail_twice_at_a_rate(tmp_path: Path, scr
     choice = choose_rate(runner, tmp_path, on_probe=lambda rate, outcome: None)
     assert [c["rate"] for c in runner.calls] == rates and [p["rate"] for p in choice.probes] == rates
     assert choice.rate == chosen and words in choice.reason
+
+
+def itl_buckets(text: str) -> dict[float, float]:
+    return histogram_buckets(text, SLOTUNE_SERIES.inter_token_latency)
 
 
 def test_pruning_judges_the_window_share_above_the_target() -> None:

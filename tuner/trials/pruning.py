@@ -12,12 +12,6 @@ import math
 from dataclasses import dataclass
 
 from policies import PruningSpec
-from tuner.trials.engine_metrics import SLOTUNE_SERIES, EngineSeries, histogram_buckets
-
-
-def itl_buckets(metrics_text: str, series: EngineSeries = SLOTUNE_SERIES) -> dict[float, float]:
-    """{upper bound in s: cumulative count} of the engine's inter-token-latency histogram (+Inf included)."""
-    return histogram_buckets(metrics_text, series.inter_token_latency)
 
 
 def gaps_above(before: dict[float, float], after: dict[float, float], target: float) -> tuple[float, float]:
