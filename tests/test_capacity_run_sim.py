@@ -182,6 +182,7 @@ def test_a_low_rate_is_measured_by_its_requests_and_can_be_shown_served(tmp_path
     plan = VerdictPlan.of(policy)
     candidate = plan.spec_for(False, rate=0.3)
     assert candidate.sustained_s * 0.3 / candidate.block_at(0.3) >= 1.25 * candidate.blocks_to_show()
+    assert plan.full_round_s(0.3) > 2 * plan.full_round_s()  # the time the verdict keeps grows with its windows
     model = StepTimeModel.load(profile_path(None))
     sim = SimTrialRunner(model, limits=limits_of(model), workload=policy.workload, duration=policy.trial_duration,
                          warmup=policy.warmup, slo=SLO(1.0, 10.0), seed=7)

@@ -27,6 +27,7 @@ from tuner.measure.measurement import Measurement, Reached
 from engine.knobs import short_knobs
 from tuner.output import write_report, write_tuned_yaml, write_vllm
 from tuner.simulation.simulator_trial import SimTrialRunner
+from tuner.search.design import design_words
 from tuner.search.confirmation import confirmed_rows, error_words, simulator_error
 from tuner.search.study import ROLE_DEFAULT, TrialReport, longest_trial_s, measured, run_trials, starts_in_time
 from tuner.trials.engine_handle import ConfigRejected, EngineError
@@ -136,7 +137,6 @@ class CapacityRun:
         refitted to all the real trials so far and, when it moved, the configs are screened again, so that each next
         screened trial is the best at the engine's present speed."""
         from tuner.search.rescreen import Rescreen, rescale_text, speed_scale
-        from tuner.search.design import design_words
         from tuner.search.screening import SCREEN_DRAWS, SCREEN_REDRAWN, engine_dtype, load_profile, screen_capacity
 
         n = self.s.screen or SCREENED
@@ -191,7 +191,13 @@ class CapacityRun:
         return self.s.started + self.p.time_budget - self.verdict_reserve_s()
 
     def verdict_reserve_s(self) -> float:
-        return min(self.p.verdict.budget, 2 * self.switching_plan().full_round_s())
+        return min(self.p.verdict.budget, 2 * self.switching_plan().full_round_s(self.default_capacity()))
+
+    def default_capacity(self) -> float:
+        """The default config's searched capacity (0 while unknown): the verdict measures near it, and below
+        1 req/s its windows are longer."""
+        return next((float(t.values[0]) for t in measured(self.study)
+                     if t.user_attrs.get("role") == ROLE_DEFAULT and t.values), 0.0)
 
     def switching_plan(self) -> VerdictPlan:
         """The verdict's plan, with the mean start (and warm-up) of a server per configuration as the cost of each
@@ -247,12 +253,15 @@ class CapacityRun:
         self.switching_plan()
         budget = max(0.0, min(p.verdict.budget, self.s.started + p.time_budget - time.monotonic()))
         c_level, d_level = pool_levels(p.measurement.level, len(candidates))
+        near = self.default_capacity()
         say(f"{PROG}: verdict: the default and {len(candidates)} candidate(s) at fixed rates on fresh arrival draws, "
             f"the same draw for every config in a round: a candidate below its searched capacity in one window of "
             f"{format_duration(self.plan.window_for(False))}, the default beside it on the same arrivals "
             f"({format_duration(self.plan.window_for(True))}) and at its own ceiling "
-            f"({format_duration(self.plan.window_for(True, beside=False))}); rounds while "
-            f"{format_duration(budget)} holds them (the first {format_duration(self.plan.full_round_s())}); claims "
+            f"({format_duration(self.plan.window_for(True, beside=False))})"
+            + (" at 1 req/s and above (longer below, holding as many blocks)" if near < 1 else "")
+            + f"; rounds while {format_duration(budget)} holds them (the first "
+            f"{format_duration(self.plan.full_round_s(near))}); claims "
             f"at {p.measurement.level:.0%} together (candidate pools at {c_level:.2%}, the default's at "
             f"{d_level:.2%}) ...")
         result = paired_verdict(default, candidates, self.measure_at, p.verdict.max_rounds, budget,

@@ -58,10 +58,11 @@ class VerdictPlan:
         return sum(self.window_for(default, beside, rate) + self.warmup + self.switch_s
                    for default, beside, rate in plan)
 
-    def full_round_s(self) -> float:
-        """A first round: each candidate, the default beside each, and the default at its own ceiling."""
-        return self.round_s([(False, True, 0.0)] * self.candidates + [(True, True, 0.0)] * self.candidates
-                            + [(True, False, 0.0)])
+    def full_round_s(self, rate: float = 0.0) -> float:
+        """A first round: each candidate, the default beside each, and the default at its own ceiling, all near
+        ``rate`` (0: 1 req/s or more; below, a window holding the same blocks is longer)."""
+        return self.round_s([(False, True, rate)] * self.candidates + [(True, True, rate)] * self.candidates
+                            + [(True, False, rate)])
 
     @property
     def rates_per_candidate(self) -> int:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import optuna
+from scipy import stats
 
 from policies import Policy
 from loadtest.records import RequestRecord
@@ -82,8 +83,6 @@ def simulator_error(rows: list[dict[str, Any]]) -> dict[str, Any]:
     capacities (median and largest), how many twin brackets meet the engine's, and the Spearman rank correlation of
     the two capacities (whether the simulator orders the configs as the engine does; None with fewer than three
     configs or a tie throughout). A run searches a handful of configs: these describe the run, they bound nothing."""
-    from scipy import stats
-
     pairs = [(float(r["twin"]), float(r["measured"])) for r in rows
              if r.get("measured") and r.get("twin") is not None]
     errors = [abs(twin / got - 1) for twin, got in pairs]
