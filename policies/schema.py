@@ -22,9 +22,7 @@ from slotune.units import parse_duration
 
 Sampler = Literal["tpe", "gp", "random", "grid", "nsga2"]
 Objective = Literal["goodput", "capacity"]
-# How TPE's first trials are chosen: "structured" (tuner.search.structured_start: a bisection over max_num_seqs, then steps
-# of the other scheduling knobs around the feasibility boundary) or "random" (Optuna's random start-up).
-Start = Literal["structured", "random"]
+Start = Literal["structured", "random"]  # TPE's first trials: tuner.search.structured_start, or Optuna's random start-up
 
 _CONSTRAINT = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*|[-+]?\d+(?:\.\d*)?)\s*(<=|>=)\s*"
                          r"([A-Za-z_][A-Za-z0-9_]*|[-+]?\d+(?:\.\d*)?)\s*$")

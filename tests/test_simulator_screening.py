@@ -254,10 +254,11 @@ def test_each_next_screened_trial_is_the_best_at_the_speed_refitted_after_the_tr
     import optuna
 
     from tuner.search.rescreen import Rescreen, speed_scale
-    from tuner.search.screening import _sample, load_profile
+    from tuner.search.design import screen_design
+    from tuner.search.screening import load_profile
 
     profile = load_profile()
-    configs = [params for _, params in _sample(POLICY, 3, seed=0)]
+    configs = [params for _, params in screen_design(POLICY, 3, seed=0)]
     assert len(configs) == 3
     calls: list[float] = []
 
@@ -294,10 +295,11 @@ def test_after_a_config_one_target_bounds_the_next_is_the_best_that_target_does_
     import optuna
 
     from tuner.search.rescreen import Rescreen
-    from tuner.search.screening import _sample, load_profile
+    from tuner.search.design import screen_design
+    from tuner.search.screening import load_profile
 
     profile = load_profile()
-    configs = [params for _, params in _sample(POLICY, 4, seed=0)]
+    configs = [params for _, params in screen_design(POLICY, 4, seed=0)]
     bounds = ["ttft", "ttft", "tbt", ""]
     ranking = [(p, {"screen_predicted_capacity": 3.0 - i * 0.1, "screen_bound": b})
                for i, (p, b) in enumerate(zip(configs, bounds))]
@@ -347,7 +349,7 @@ def test_tune_screen_ranks_each_next_trial_at_the_speed_of_the_trials_before(tmp
     from tuner.search.study import enqueue_default, open_storage, open_study, run_trials
 
     policy = POLICY.replace(objective="goodput", trials=3, rate=3.0)
-    args = build_parser().parse_args(["--out", str(tmp_path / "out" / "tuned.yaml"), "--screen", "12"])
+    args = build_parser().parse_args(["--out", str(tmp_path / "out" / "tuned.yaml"), "--screen", "12", "--seed", "0"])
     storage = open_storage(f"sqlite:///{tmp_path}/study.db")
     session = TuneSession(args, policy, storage, None)
     study = open_study(storage, session.study_name, policy)

@@ -23,7 +23,8 @@ from tuner.commands.run_context import RunContext
 from slotune.slo import SLO
 from tuner.measure.capacity import MIN_RATE, CapacitySearcher, Shown, capacity_searcher, measurement_spec
 from tuner.measure.floor import measure_floor
-from tuner.measure.measurement import Measurement, Reached
+from tuner.measure.measurement import Measurement
+from tuner.measure.targets import Reached
 from engine.knobs import short_knobs
 from tuner.output import write_report, write_tuned_yaml, write_vllm
 from tuner.simulation.simulator_trial import SimTrialRunner
@@ -33,13 +34,12 @@ from tuner.search.study import ROLE_DEFAULT, TrialReport, longest_trial_s, measu
 from tuner.trials.engine_handle import ConfigRejected, EngineError
 from tuner.trials.trial_runner import TrialRunner
 from tuner.measure.verdict import DEFAULT, Contender, Sample, VerdictResult, first_rate, paired_verdict, pool_levels
-from tuner.measure.verdict_report import verdict_line
+from tuner.measure.verdict_report import capacity_section, verdict_line
 from tuner.measure.verdict_plan import VerdictPlan, sample_of
 
 if TYPE_CHECKING:
     from tuner.search.rescreen import Rescreen
     from tuner.simulation.step_time_model import StepTimeModel
-    from tuner.trials.restarted_engine import RestartedEngine
 
 SCREENED = 40  # configs the simulator screens for capacity when --screen is not given
 
@@ -318,17 +318,23 @@ class CapacityRun:
         if self.s.engine_name != "slotune":  # the simulator's step times are calibrated on slotune's engine only
             return []
         model = self.rescreen.fitted(self.study) if self.rescreen is not None else None
-        rows = confirmed_rows(self.study, self.twin(model), self.p, self.s.trials_dir / "twin", sustained)
+        return confirmed_rows(self.study, self.twin(model), self.p, self.s.trials_dir / "twin", sustained)
+
+    def simulator_error(self, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The run's summary of the simulator against the engine (None: no simulator for this engine), said and kept
+        in the study beside the rows it summarises."""
+        if self.s.engine_name != "slotune":
+            return None
         summary = simulator_error(rows)
         self.study.set_user_attr("simulator_vs_engine", {**summary, "rows": [
             {k: r[k] for k in ("trial", "knobs", "measured", "bracket", "twin", "twin_bracket", "predicted")}
             for r in rows]})
         say(f"{PROG}: {error_words(summary)}")
-        return rows
+        return summary
 
     def restarts_text(self) -> str:
         """With a server per configuration: how much of the run went to starting servers."""
-        return _restarts_note(self.s.restarted)
+        return self.s.restarted.starts_note() if self.s.restarted is not None else ""
 
     def round_line(self, r: int, result: VerdictResult) -> None:
         parts = [f"{c.name.split(' (')[0]} {c.shown().format()}" + ("" if c.is_default else f" {result.outcome(c)}")
@@ -358,7 +364,7 @@ class CapacityRun:
         confirmed = self.confirmed(result)
         evidence: dict[str, Any] = {"verdict": result.as_dict(), "verdict_line": line, "floor": self.floor,
                                     "tuned_is_default": chosen is result.default, "held": held,
-                                    "confirmed": confirmed, "simulator_error": simulator_error(confirmed),
+                                    "confirmed": confirmed, "simulator_error": self.simulator_error(confirmed),
                                     "design_seed": s.design_seed}
         write_tuned_yaml(s.out, knobs=chosen.knobs, slo=p.slo.as_dict(), workload=p.workload.as_dict(), rate=0.0,
                          rate_reason="capacity objective: the rate is searched per config", objective=p.objective,
@@ -387,28 +393,3 @@ class CapacityRun:
         s.applied = True  # kept on the way out (the engine does not get its original config back)
         say(f"{PROG}: applied to {s.handle.url}: {short_knobs(applied)}")
         return 0
-
-
-def _restarts_note(restarted: "RestartedEngine | None") -> str:
-    if restarted is None or not restarted.starts:
-        return ""
-    return (f", {format_duration(restarted.restart_seconds())} of it starting {len(restarted.starts)} servers "
-            f"({sum(not s.ok for s in restarted.starts)} did not come up)")
-
-
-def capacity_section(result: VerdictResult, chosen: Contender) -> dict[str, Any]:
-    """tuned.yaml's ``tuned`` and ``default``: each config's shown bracket (req/s) with its level, its pools, and the
-    ratio from shown bounds."""
-    def entry(c: Contender) -> dict[str, Any]:
-        shown = c.shown()
-        return {"name": c.name, "knobs": c.knobs, "searched_req_per_s": c.claim, "capacity_req_per_s": shown.as_dict(),
-                "output_tokens_per_s": c.tokens_at(shown.low) if shown.low > 0 else None, "rounds": c.rounds,
-                "pools": [{"rate": p.rate, "attaining": p.attaining, "requests": p.requests, "blocks": len(p.blocks()),
-                           "attainment": p.attainment().as_dict(), "verdict": p.verdict()}
-                          for p in sorted(c.pools.values(), key=lambda p: p.rate)]}
-
-    tuned = entry(chosen)
-    if chosen is not result.default:
-        tuned["ratio_to_default"] = result.ratio(chosen).as_dict()
-    return {"tuned": tuned, "default": entry(result.default)}
-

@@ -15,7 +15,8 @@ With each request's own p99 gap, that is the SLO judged one request at a time, t
 prompts here. When even one request at a time misses the TBT target beyond the noise (the pooled p99's interval
 above it), or when the share of requests that attain one at a time is shown below the target share (its interval's
 upper end below 90 %), no config can meet the SLO on this machine: tune says so, with the target that binds and the
-targets this machine reaches one at a time, and stops before searching.
+targets this machine reaches one at a time, and stops before searching. Each of the two routes is judged at half the
+error rate (97.5 % at the policy's 95 %), so that together they stop wrongly no more often than the level allows.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +35,11 @@ from loadtest.summary import request_tbt_p99
 from slotune.slo import SLO
 from slotune.units import format_duration
 from tuner.trials.arrangement import Arrangement
-from tuner.measure.measurement import CONFIG_FAILURES, MACHINERY_FAILURES, MeasurementSpec, Reached, figures, \
-    reached, segment_seed, window_records
+from tuner.measure.measurement import CONFIG_FAILURES, MACHINERY_FAILURES, MeasurementSpec, figures, segment_seed, \
+    window_records
+from tuner.measure.targets import Reached, reached
 from tuner.measure.dependence import attainment_interval, block_counts
-from tuner.measure.statistics import Interval, lower_verdict, upper_verdict
+from tuner.measure.statistics import Interval, bonferroni_level, lower_verdict, upper_verdict
 from tuner.trials.trial_backend import TrialBackend
 from tuner.trials.trial_runner import TrialOutcome
 from slotune import result_files as files
@@ -108,7 +110,7 @@ class OneAtATime:
         text = (f"one request at a time, {self.attainment.format('%', 100, 3)} of the workload's requests attain "
                 f"the SLO (the target is {share})")
         if binds:
-            text += "; " + self.targets.describe().split("; ")[0]
+            text += "; " + self.targets.binds_text()
         return (text + f"; the targets this machine reaches for {share} of the requests one at a time: TTFT "
                 f"{self.targets.ttft.format('s', 1, 3)}, p99 TBT {self.targets.tbt.format('ms', 1000, 3)}")
 
@@ -149,7 +151,7 @@ def one_at_a_time(outcomes: list[TrialOutcome], slo: SLO, spec: MeasurementSpec,
     if not ttfts:
         return None
     block = spec.block_at(rate)
-    targets = reached(ttfts, tbts, slo, spec, block)
+    targets = reached(ttfts, tbts, slo, spec.level, spec.target_share, block)
     attaining = [[(slo.ttft_p99 is None or t <= slo.ttft_p99) and (slo.tbt_p99 is None or g <= slo.tbt_p99)
                   for t, g in zip(tw, gw)] for tw, gw in zip(ttfts, tbts)]
     blocks = [b for w in attaining for b in block_counts(w, block)]
@@ -207,14 +209,17 @@ def measure_floor(backend: TrialBackend, out_dir: Path, rate: float = 1.0, spec:
     if chosen is not None and arrange is not None:
         arrange(chosen)
     small, _ = _pooled_trial(backend, SMALL_BATCH, Path(out_dir) / "batch-4", 2 * rate, spec, draw)
-    f = figures(records, backend.slo, spec, rate)
+    # two routes to "no config can meet the SLO here" (the pooled p99 TBT, the share attaining one at a time): each
+    # judged at half the error rate, so that the stop is wrong no more often than the spec's level allows
+    stop = replace(spec, level=bonferroni_level(spec.level, 2))
+    f = figures(records, backend.slo, stop, rate)
     summaries = [o.summary for o in one if o.summary]
     lags = [s["send_lag_p99"] for s in summaries if s.get("send_lag_p99") is not None]
     itl = [s["engine_itl_p99"] for s in summaries if s.get("engine_itl_p99") is not None]
     reason = None if any(s.get("completed") for s in summaries) else (one[-1].reason or "no request completed")
     floor = Floor(f.tbt_p99, max(itl) if itl else None, _decode_step_p99(one, 1, 1), _decode_step_p99(small, 2, 4),
                   max(lags) if lags else None, reason, chosen.describe() if chosen is not None else "",
-                  by_arrangement, one_at_a_time(one, backend.slo, spec, rate))
+                  by_arrangement, one_at_a_time(one, backend.slo, stop, rate))
     (Path(out_dir) / "floor.json").write_text(json.dumps(floor.as_dict(), indent=1) + "\n")
     return floor, [o for _, outs, _ in tried for o in outs] + small
 

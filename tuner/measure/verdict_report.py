@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from tuner.measure.verdict import VerdictResult
+from typing import Any
+
+from tuner.measure.verdict import Contender, VerdictResult
 
 
 def verdict_line(result: VerdictResult, slo_text: str) -> str:
@@ -36,3 +38,20 @@ def verdict_line(result: VerdictResult, slo_text: str) -> str:
     return (f"no config was shown to serve more than the default within {slo_text}: best candidate {served} "
             f"({mine.format()}, {result.outcome(c)}){paired}; {d_text}; safest: {result.safest.name} "
             f"({result.stopped}; {note})")
+
+
+def capacity_section(result: VerdictResult, chosen: Contender) -> dict[str, Any]:
+    """tuned.yaml's ``tuned`` and ``default``: each config's shown bracket (req/s) with its level, its pools, and the
+    ratio from shown bounds."""
+    def entry(c: Contender) -> dict[str, Any]:
+        shown = c.shown()
+        return {"name": c.name, "knobs": c.knobs, "searched_req_per_s": c.claim, "capacity_req_per_s": shown.as_dict(),
+                "output_tokens_per_s": c.tokens_at(shown.low) if shown.low > 0 else None, "rounds": c.rounds,
+                "pools": [{"rate": p.rate, "attaining": p.attaining, "requests": p.requests, "blocks": len(p.blocks()),
+                           "attainment": p.attainment().as_dict(), "verdict": p.verdict()}
+                          for p in sorted(c.pools.values(), key=lambda p: p.rate)]}
+
+    tuned = entry(chosen)
+    if chosen is not result.default:
+        tuned["ratio_to_default"] = result.ratio(chosen).as_dict()
+    return {"tuned": tuned, "default": entry(result.default)}

@@ -76,3 +76,17 @@ def queued(metrics_text: str, series: EngineSeries) -> float | None:
     if running is None and waiting is None:
         return None
     return (running or 0.0) + (waiting or 0.0)
+
+
+def engine_itl_p99(before: dict[float, float], after: dict[float, float]) -> float | None:
+    """The engine-side p99 inter-token latency between two histogram snapshots: the upper bound of the bucket
+    that holds the 99th percentile (None without gaps). Beside the client-side p99 it shows what the load
+    generator adds."""
+    bounds = sorted(after)
+    total = after.get(math.inf, 0.0) - before.get(math.inf, 0.0)
+    if total <= 0:
+        return None
+    for b in bounds:
+        if after[b] - before.get(b, 0.0) >= 0.99 * total:
+            return b if math.isfinite(b) else None
+    return None

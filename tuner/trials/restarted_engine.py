@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 
 from loadtest.runner import die_with_parent, free_port
+from slotune.units import format_duration
 from tuner.trials.engine_handle import ConfigRejected, EngineHandle
 from tuner.trials.engine_kinds import ServerKind, vllm_resolved
 
@@ -202,6 +203,13 @@ class RestartedEngine:
             pass
         self.process = None
         self.flags = None
+
+    def starts_note(self) -> str:
+        """``, 9m12s of it starting 3 servers (0 did not come up)`` (empty before any start)."""
+        if not self.starts:
+            return ""
+        return (f", {format_duration(self.restart_seconds())} of it starting {len(self.starts)} servers "
+                f"({sum(not s.ok for s in self.starts)} did not come up)")
 
     def restart_seconds(self) -> float:
         """What the starts cost: starting each server and warming it."""

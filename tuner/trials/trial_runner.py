@@ -41,6 +41,7 @@ from policies import PruningSpec, WorkloadSpec
 from tuner.trials.engine_handle import ConfigRejected, EngineError, EngineHandle, ManagedEngine
 from tuner.trials.restarted_engine import RestartedEngine, StartFailed
 from tuner.trials.host_load import BUSY_CORES, HostLoad, busy_reason, is_local, serving_pid
+from tuner.trials.engine_metrics import engine_itl_p99
 from tuner.trials.step_collector import STEP_POLL_S, StepCollector
 from tuner.trials.pruning import PruneWatcher
 from tuner.trials.step_stats import step_stats, window_steps
@@ -382,20 +383,6 @@ class _LoadWatch:
         if self.watcher.check(elapsed, runner.handle.itl_buckets()):
             self.stopped_at = elapsed_s
             _stop_locust()
-
-
-def engine_itl_p99(before: dict[float, float], after: dict[float, float]) -> float | None:
-    """The engine-side p99 inter-token latency between two histogram snapshots: the upper bound of the bucket
-    that holds the 99th percentile (None without gaps). Beside the client-side p99 it shows what the load
-    generator adds."""
-    bounds = sorted(after)
-    total = after.get(math.inf, 0.0) - before.get(math.inf, 0.0)
-    if total <= 0:
-        return None
-    for b in bounds:
-        if after[b] - before.get(b, 0.0) >= 0.99 * total:
-            return b if math.isfinite(b) else None
-    return None
 
 
 def _stop_locust() -> None:
