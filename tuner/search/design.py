@@ -5,8 +5,8 @@ The design is a Latin hypercube over the searched knobs (scipy.stats.qmc, its ce
 axis per knob: every knob's range is cut into as many strata as the screen has configs and each stratum is used once,
 so each knob's values are all seen (when the screen has at least as many configs as the knob has values) and the
 configs spread over the pairs of knobs instead of clustering. A log range is stratified on the log scale, as the
-policy samples it. The design's seed is the run's, recorded with the screen: a run on another seed sees other
-configs, and the same seed sees the same ones again.
+policy samples it. The design's seed is given by the caller (tune: ``--seed``, else a fresh one per run, kept in the
+study): another seed sees other configs, and the same seed sees the same ones again.
 
 Every config has its constraints repaired and appears once; ``params`` are the values drawn before the repair (what a
 study enqueues, each inside its knob's distribution).
@@ -25,7 +25,7 @@ from scipy.stats import qmc
 from policies import Choices, FloatRange, IntRange, KnobRange, Policy
 
 Config = tuple[dict[str, Any], dict[str, Any]]  # (knobs with the constraints repaired, params as drawn)
-DESIGN_ROUNDS = 20  # further designs (the next seeds) that top up configs lost to the repair's duplicates
+DESIGN_ROUNDS = 20  # further designs of the same seed that top up configs lost to the repair's duplicates
 
 
 def config_key(knobs: dict[str, Any]) -> str:
