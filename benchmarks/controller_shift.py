@@ -4,6 +4,8 @@ the config tuned for phase one, and for the controller (``slotune control`` star
     PYTHONPATH=. python benchmarks/controller_shift.py --out build/controller-shift            # 2 x 5 min per arm (~40 min)
     PYTHONPATH=. python benchmarks/controller_shift.py --phase-seconds 60 --out /tmp/shift     # a short look (~10 min)
     PYTHONPATH=. python benchmarks/controller_shift.py --out build/controller-shift --rerun controller  # one arm again
+    PYTHONPATH=. python benchmarks/controller_shift.py --arms controller --rate2 0.4 --phase-seconds 600 \
+        --out build/controller-stationary        # stationary traffic for 20 minutes: the controller should not move
 
 Each arm gets a fresh engine and the same two Locust runs back to back (same seeds: the same arrival draws):
 phase one ``--mix`` at ``--rate``, phase two ``--mix2`` (default: the same mix) at ``--rate2`` (default: four
@@ -49,10 +51,13 @@ POLICY: dict[str, Any] = {
     "guardrails": {"default_max_change": 4, "cooldown": "15s"},
     "triggers": {"attainment_target": 0.9, "window": "30s", "min_requests": 20, "drift_threshold": 0.3,
                  "drift_window": "30s"},
-    "canary": {"min_requests": 20, "min_window": "15s", "max_window": "60s", "lease_margin": "20s",
+    "canary": {"block": "20s", "settle": "8s", "level": 0.05, "max_window": "400s", "lease_margin": "20s",
                "rollback_drop": 0.15},
     "retune": {"candidates": 32, "headroom": 1.25, "sim_duration": "20s", "step_history": "120s"},
 }
+
+
+ARMS = ("default", "phase1_tuned", "controller")
 
 
 @dataclass
@@ -99,7 +104,19 @@ def run_arm(arm: Arm, args: argparse.Namespace, out: Path, slo: SLO) -> dict[str
             controller.terminate()
             controller.wait(30)
         engine.stop()
-    return {"arm": arm.name, "start_knobs": arm.knobs, "final_knobs": final, "phases": phases}
+    return {"arm": arm.name, "start_knobs": arm.knobs, "final_knobs": final, "phases": phases,
+            **({"decisions": decisions(out / "controller.jsonl")} if arm.controlled else {})}
+
+
+def decisions(log: Path) -> dict[str, Any]:
+    """What the controller did: its canaries, its decisions by outcome and trigger, each with its time and why."""
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+    made = [r for r in records if r.get("kind") == "decision"]
+    return {"canaries": sum(r.get("kind") == "canary" for r in records),
+            "moves": sum(r.get("outcome") == "kept" for r in made),
+            "by_outcome": {o: sum(r.get("outcome") == o for r in made) for o in sorted({r.get("outcome") for r in made})},
+            "decisions": [{"time": r["time"], "outcome": r.get("outcome"), "trigger": (r.get("trigger") or {}).get("kind"),
+                           "reason": r.get("reason")} for r in made]}
 
 
 def attainment_series(records: list[RequestRecord], slo: SLO, t0: float, bin_s: float) -> list[dict[str, Any]]:
@@ -134,10 +151,12 @@ def analyse(results: list[dict[str, Any]], out: Path, args: argparse.Namespace, 
             phase["after_settling"] = phase_after_settling(records, slo, args.settle, args.phase_seconds)
             t_offset += args.phase_seconds
         res["series"] = series
-    verdicts = []
+    verdicts: list[dict[str, Any]] = []
+    if not any(r["arm"] == "controller" for r in results):
+        return {"verdicts": verdicts}
     for i in range(2):
-        static_best = max(r["phases"][i]["after_settling"]["goodput_rps"] for r in results
-                          if r["arm"] != "controller")
+        static_best = max((r["phases"][i]["after_settling"]["goodput_rps"] for r in results
+                           if r["arm"] != "controller"), default=None)
         ctl = next(r for r in results if r["arm"] == "controller")["phases"][i]["after_settling"]
         verdicts.append({"phase": i + 1, "controller_attainment": ctl["attainment"],
                          "controller_goodput_rps": ctl["goodput_rps"], "best_static_goodput_rps": static_best,
@@ -190,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle", type=float, default=120.0, help="seconds after each phase starts not judged")
     p.add_argument("--bin", type=float, default=20.0, help="seconds per point of the attainment curve")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rerun", nargs="+", choices=("default", "phase1_tuned", "controller"), default=None,
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="the arms to run (default: all)")
+    p.add_argument("--rerun", nargs="+", choices=ARMS, default=None,
                    help="run only these arms again; the others are read from OUT/controller_shift.json")
     p.add_argument("--phase1-config", default=None, help="JSON knobs of the config tuned for phase one (default: "
                    f"{json.dumps(PHASE_ONE_CONFIG)})")
@@ -199,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     slo = SLO(tbt_p99=0.25, ttft_p99=3.0)
     phase_one = json.loads(args.phase1_config) if args.phase1_config else PHASE_ONE_CONFIG
-    arms = [Arm("default", {}), Arm("phase1_tuned", phase_one), Arm("controller", phase_one, controlled=True)]
+    arms = [a for a in (Arm("default", {}), Arm("phase1_tuned", phase_one), Arm("controller", phase_one, controlled=True))
+            if a.name in args.arms]
     started = time.time()
     results = []
     earlier = {}
@@ -217,9 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     png = plot(results, out, args)
     for v in report["verdicts"]:
         a = v["controller_attainment"]
+        static = v["best_static_goodput_rps"]
         print(f"phase {v['phase']}: controller attainment {a['value']:.1%} ({a['low']:.1%}-{a['high']:.1%}) after "
-              f"{args.settle:g}s; goodput {v['controller_goodput_rps']:.3f} vs best static "
-              f"{v['best_static_goodput_rps']:.3f} req/s (x{v['goodput_ratio'] or float('nan'):.2f})")
+              f"{args.settle:g}s; goodput {v['controller_goodput_rps']:.3f} req/s"
+              + (f" vs best static {static:.3f} (x{v['goodput_ratio']:.2f})" if static else ""))
+    for res in results:
+        if "decisions" in res:
+            d = res["decisions"]
+            print(f"controller: {d['canaries']} canaries, {d['moves']} kept; decisions {d['by_outcome']}")
     print(f"{out / 'controller_shift.json'}" + (f", {png}" if png else "") + f" ({report['wall_s'] / 60:.1f} min)")
     return 0
 

@@ -3,9 +3,10 @@
     guardrails: {bounds: {max_num_seqs: {low: 2, high: 16}}, max_change: {max_num_seqs: 2.0}, default_max_change: 2,
                  frozen: [block_size], cooldown: 60s}
     triggers:   {attainment_target: 0.9, window: 60s, min_requests: 40, drift_threshold: 0.3, drift_window: 60s,
-                 schedule: null}
-    canary:     {min_requests: 40, min_window: 20s, max_window: 120s, lease_margin: 30s, rollback_drop: 0.15}
-    retune:     {candidates: 48, headroom: 1.25, sim_duration: 30s, step_history: 300s}
+                 drift_reference: 5m, drift_alarms_per_hour: 0.05, schedule: null}
+    canary:     {block: 20s, settle: 5s, level: 0.025, power: 0.8, min_effect: 0.1, max_window: 15m,
+                 lease_margin: 30s, rollback_drop: 0.15}
+    retune:     {candidates: 48, draws: 8, headroom: 1.25, sim_duration: 30s, step_history: 300s}
 
 Every error names its field; contradictions between fields (a bound outside the search space, a frozen knob with a
 change limit, a canary whose shortest window is longer than its longest) are errors before anything runs.
@@ -13,6 +14,7 @@ change limit, a canary whose shortest window is longer than its longest) are err
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -55,23 +57,36 @@ class Triggers:
     # relative change of a shape quantity (rate, mean lengths) that counts as drift; for a length distribution, the
     # share of requests that changed length bucket (total variation distance)
     drift_threshold: float = 0.3
-    drift_window: float = 60.0  # the recent window compared with the reference one (the shape when last tuned)
+    drift_window: float = 60.0  # one look of the drift CUSUMs (consecutive, non-overlapping)
+    drift_reference: float = 300.0  # the traffic after the last decision the looks are judged against
+    drift_alarms_per_hour: float = 0.05  # false drift alarms per hour on stationary traffic, all CUSUMs together
     schedule: float | None = None  # also retune every this many seconds (None: never on a schedule)
 
 
 @dataclass(frozen=True)
 class Canary:
-    """How a candidate is tried live (with an engine lease) and judged against the window before it."""
+    """How a candidate is tried live: a switchback against the applied config (tuner/control/canary.py), each of
+    its blocks under an engine lease."""
 
-    min_requests: int = 40  # finished requests the canary needs before it can be kept
-    min_window: float = 20.0
-    max_window: float = 120.0  # at the end without a verdict: roll back
-    lease_margin: float = 30.0  # lease = max_window + this: the engine reverts by itself if we never confirm
+    block: float = 20.0  # seconds of one config's turn
+    settle: float = 5.0  # the start of each block left unmeasured (the config before's requests still finishing)
+    level: float = 0.025  # the rate at which a candidate no better than the applied config is kept
+    power: float = 0.8  # the chance the sized canary keeps a candidate that gains min_effect (or its predicted gain)
+    min_effect: float = 0.10  # the smallest attainment gain the canary is sized to detect
+    max_window: float = 900.0  # the longest canary: at most max_window / (2 block) pairs
+    lease_margin: float = 30.0  # the candidate's lease = 2 block + this: a dead controller leaves nothing behind
     rollback_drop: float = 0.15  # roll back at once when attainment falls by more than this, beyond the noise
 
     @property
     def lease_s(self) -> float:
-        return self.max_window + self.lease_margin
+        """The candidate's lease from its PATCH: it may run two blocks in a row (a pair's second and the next
+        pair's first), then the margin."""
+        return 2 * self.block + self.lease_margin
+
+
+def min_pairs(level: float) -> int:
+    """The fewest pairs with which a one-sided sign-flip test can reject at ``level`` (its smallest p is 2^-pairs)."""
+    return max(1, math.ceil(math.log2(1.0 / level) - 1e-9))
 
 
 @dataclass(frozen=True)
@@ -79,6 +94,7 @@ class Retune:
     """How candidates are found: screened in the simulator on the live workload's shape."""
 
     candidates: int = 48  # configs screened per retune (plus the study's best and the current one)
+    draws: int = 8  # fresh simulations of the pick and the applied config, on common arrivals, that must confirm it
     headroom: float = 1.25  # screen at this multiple of the live arrival rate (prefer configs with room to spare)
     sim_duration: float = 30.0  # simulated seconds per screened config
     step_history: float = 300.0  # seconds of step records the step-time model is refitted on
@@ -175,25 +191,36 @@ class TriggersDoc(SectionDoc):
     min_requests: int = Field(Triggers.min_requests, ge=1)
     drift_threshold: float = Field(Triggers.drift_threshold, gt=0)
     drift_window: PositiveSeconds = Triggers.drift_window
+    drift_reference: PositiveSeconds = Triggers.drift_reference
+    drift_alarms_per_hour: float = Field(Triggers.drift_alarms_per_hour, gt=0, le=60)
     schedule: OptionalPositiveSeconds = Triggers.schedule
 
 
 class CanaryDoc(SectionDoc):
-    min_requests: int = Field(Canary.min_requests, ge=1)
-    min_window: PositiveSeconds = Canary.min_window
+    block: PositiveSeconds = Canary.block
+    settle: Duration = Canary.settle
+    level: float = Field(Canary.level, gt=0, lt=0.5)
+    power: float = Field(Canary.power, gt=0, lt=1)
+    min_effect: float = Field(Canary.min_effect, gt=0, le=1)
     max_window: PositiveSeconds = Canary.max_window
     lease_margin: PositiveSeconds = Canary.lease_margin
     rollback_drop: float = Field(Canary.rollback_drop, ge=0, le=1)
 
     @model_validator(mode="after")
     def _windows(self) -> CanaryDoc:
-        if self.min_window > self.max_window:
-            raise At("min_window", f"must be <= canary.max_window ({self.max_window:g}s), got {self.min_window:g}s")
+        if self.settle >= self.block:
+            raise At("settle", f"must be < canary.block ({self.block:g}s), got {self.settle:g}s: nothing of a block "
+                               "would be measured")
+        least = 2 * self.block * min_pairs(self.level)
+        if self.max_window < least:
+            raise At("max_window", f"must hold at least {min_pairs(self.level)} pairs of blocks ({least:g}s) for a "
+                                   f"canary at level {self.level:g} to ever be kept, got {self.max_window:g}s")
         return self
 
 
 class RetuneDoc(SectionDoc):
     candidates: int = Field(Retune.candidates, ge=1)
+    draws: int = Field(Retune.draws, ge=2)
     headroom: float = Field(Retune.headroom, ge=1)
     sim_duration: PositiveSeconds = Retune.sim_duration
     step_history: PositiveSeconds = Retune.step_history

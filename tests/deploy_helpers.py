@@ -264,10 +264,14 @@ class NativeStack:
         services = compose({"SLOTUNE_ADMIN_TOKEN": self.admin_token, "POSTGRES_PASSWORD": "-",
                             "GRAFANA_ADMIN_PASSWORD": "-"})["services"]
         command = services["controller"]["command"]
-        replace = {"http://engine:8000": self.engines[0].url, "http://prometheus:9090": self.prometheus.url,
-                   "9400": str(self.controller_port),
+        # the engine service's DNS name gives its replicas (--discover); natively, each replica's own URL
+        assert "--discover" in command, "the compose controller no longer discovers the engine's replicas"
+        fleet = [a for e in self.engines for a in ("--engine-url", e.url)]
+        replace = {"http://prometheus:9090": self.prometheus.url, "9400": str(self.controller_port),
                    "/data/runs/controller.jsonl": str(self.prometheus.dir / "controller.jsonl")}
-        args = [replace.get(a, a) for a in command[1:]]
+        args = [replace.get(a, a) for a in command[1:] if a != "--discover"]
+        at = args.index("http://engine:8000")
+        args[at - 1:at + 1] = fleet
         self.controller_log = open(self.prometheus.dir / "controller.log", "w")
         self.controller = subprocess.Popen([sys.executable, "-m", "slotune.cli", *args], cwd=REPO,
                                            env={**os.environ, "SLOTUNE_ADMIN_TOKEN": self.admin_token},

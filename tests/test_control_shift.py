@@ -54,8 +54,8 @@ def test_the_controller_detects_a_shift_moves_the_knobs_and_attainment_recovers(
     policy = write_policy(tmp_path / "policy.yaml", slo={"tbt_p99": SLO_ARGS[0], "ttft_p99": SLO_ARGS[1]},
                           guardrails={"default_max_change": 4, "cooldown": "5s"},
                           triggers={"window": "15s", "min_requests": 10, "drift_window": "15s"},
-                          canary={"min_requests": 10, "min_window": "8s", "max_window": "40s", "lease_margin": "10s",
-                                  "rollback_drop": 0.15},
+                          canary={"block": "10s", "settle": "4s", "level": 0.1, "max_window": "120s",
+                                  "lease_margin": "10s", "rollback_drop": 0.15},
                           retune={"candidates": 16, "sim_duration": "15s", "step_history": "60s"})
     log = tmp_path / "controller.jsonl"
     controller = start_controller(engine.url, policy, log)
@@ -64,7 +64,7 @@ def test_the_controller_detects_a_shift_moves_the_knobs_and_attainment_recovers(
         phase1 = start_traffic(engine.url, tmp_path / "phase1", "short=16:24", RATES[0], "45s", SLO_ARGS)
         phase1.wait(300)
         shift = time.time()
-        phase2 = start_traffic(engine.url, tmp_path / "phase2", PHASE_TWO_MIX, RATES[1], "200s", SLO_ARGS)
+        phase2 = start_traffic(engine.url, tmp_path / "phase2", PHASE_TWO_MIX, RATES[1], "300s", SLO_ARGS)
         phase2.wait(600)
     finally:
         stop(controller)

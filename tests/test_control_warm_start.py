@@ -106,7 +106,10 @@ def test_a_retune_screens_the_studys_best_configs_first_within_the_guardrails(tm
     assert screened[0] == {}  # the applied config's own prediction
     # the study's best, brought within one move: max_num_seqs at most 2x, the others at most 2x, block_size frozen
     assert screened[1] == {"max_num_seqs": 8, "max_num_batched_tokens": 128, "chunk_size": 64, "block_size": 16}
-    assert CURRENT not in screened[1:] and found.screened == len(screened) - 1 == 1 + 3
+    assert found.screened == 1 + 3 and CURRENT not in screened[1:found.screened + 1]
+    # then the pick and the applied config on fresh draws, when the screen found a pick
+    redrawn = screened[found.screened + 1:]
+    assert len(redrawn) == (2 * policy.control.retune.draws if found.redraws else 0)
 
 
 def test_an_empty_or_missing_storage_gives_no_warm_start_and_says_why(tmp_path: Path) -> None:

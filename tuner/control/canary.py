@@ -1,104 +1,276 @@
-"""Judging a canary: its attainment against the window before it (a Newcombe interval of the difference of the two
-shares). Keep it when it is better beyond the noise (after ``min_window`` and ``min_requests``); roll back at once
-when it is worse by more than ``rollback_drop`` beyond the noise; roll back at the end of ``max_window`` otherwise.
+"""A canary judged against the applied config over the same stretch of traffic: a switchback on one engine, a
+crossover on a fleet.
 
-A canary that inherits a queue the config before could not keep up with (that queue grew over the window before)
-cannot show better attainment in its window: its own arrivals wait behind the inherited requests, first come first
-served. It is judged by what it does to that queue instead: kept when it finishes requests faster than the config
-before did (both backlogged, so a finishing rate is the config's service rate; a Poisson rate-ratio interval
-above 1) while the queue shrinks, or, at the end of its window, faster beyond the noise even if the queue has not
-shrunk yet (rolling back would restore the slower config); and the rollback rule waits for its own arrivals (the inherited requests' waits
-are the config before's doing). Such a config before is also judged over the requests that arrived in its window,
-not only those that finished: the ones its queue grew by had not attained, and its finished ones alone (often
-still the traffic from before a shift) would make any canary look worse."""
+On one engine the candidate and the applied config take turns in blocks (``canary.block`` seconds each), two
+blocks to a pair, which config goes first in a pair drawn at random. On a fleet two replicas (drawn at random)
+trade the candidate: in each block one runs it while the other runs the applied config as its control over the
+same seconds, and which replica runs it first in a pair is drawn at random; the pair's difference averages the two
+blocks' (the replicas' own differences cancel). The first ``canary.settle`` seconds of a block are not measured
+(requests of the config before are still finishing); the rest gives the block's attainment. The decision to keep
+rests on the pairs' differences (candidate minus applied) alone:
+
+- **one look, one budget**: the candidate is kept only when every planned pair is in and the sign-flip
+  (randomisation) test of the mean difference rejects "no better" at ``canary.level`` (one-sided). The order within
+  each pair was drawn at random, so under "the candidate makes no difference" each pair's sign is a fair coin
+  whatever the traffic did: bursts that make a block's requests miss together, a trend, a shift in mid-canary, the
+  window that fired the trigger. The test is exact at its level for any such traffic, and no earlier look spends
+  from it.
+- **a rollback may come at any look**: attainment of the candidate's blocks pooled against the applied config's,
+  or against the window before the canary, fallen by more than ``canary.rollback_drop`` beyond the noise. A
+  rollback never keeps, so these looks cost the false-keep rate nothing (they cost power, which the sizing leaves
+  room for).
+- **the number of pairs is sized** from the rate and the gain to detect (the simulator's predicted gain, at least
+  ``canary.min_effect``): enough requests per block and pairs for ``canary.power``, at least the pairs a sign-flip
+  test needs to reach its level at all, at most what ``canary.max_window`` holds (the log then states the power
+  left). As pairs come in, the plan grows when their differences spread more than it assumed: the sizing reads
+  their squares only, which do not depend on the signs, so the test stays exact.
+"""
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any
 
-from policies.control import Canary
-from tuner.control.window import WindowStats
-from tuner.measure.statistics import Interval, proportion_difference_interval, rate_ratio_interval
+import numpy as np
+from scipy import stats
 
-MIN_FOR_ROLLBACK = 5  # finished canary requests before an early rollback is judged
-MIN_QUEUE_GROWTH = 3  # requests: a window before whose queue grew by fewer than this (or 10 % of its finished) kept up
+from policies.control import Canary, min_pairs
+from tuner.measure.statistics import Interval, proportion_difference_interval
 
-
-def fell_behind(before: WindowStats) -> bool:
-    """The config before did not keep up: its queue grew over its window."""
-    return before.arrived - before.finished >= max(MIN_QUEUE_GROWTH, 0.1 * before.finished)
-
-
-def baseline(before: WindowStats) -> tuple[int, int]:
-    """The config before's attaining requests and the number they are a share of: those that finished, or, when it
-    fell behind, those that arrived."""
-    return before.attaining, before.arrived if fell_behind(before) else before.finished
+# Requests that queue behind one burst attain or miss together: a block's share varies more than a binomial one.
+# The sizing inflates the binomial variance by this design effect (the test itself needs no such assumption).
+DESIGN_EFFECT = 2.0
+EXACT_FLIPS = 16  # up to this many pairs the sign-flip distribution is enumerated; beyond it, sampled
+SAMPLED_FLIPS = 20000
+MIN_FOR_ROLLBACK = 5  # judged candidate requests before the rollback rule looks
+ARMS = ("applied", "candidate")
+NORMAL = NormalDist()
 
 
-def serves_faster(before: WindowStats, canary: WindowStats) -> Interval | None:
-    """When the canary inherited the queue of a config that fell behind (both backlogged, so a finishing rate is a
-    service rate): the ratio of its finishing rate to the config before's (else None)."""
-    if not fell_behind(before):
-        return None
-    return rate_ratio_interval(canary.finished, canary.seconds, before.finished, before.seconds)
+@dataclass(frozen=True)
+class SwitchbackPlan:
+    pairs: int  # planned; more when the differences spread more than assumed (pairs_needed), at most most_pairs
+    most_pairs: int
+    block_s: float
+    settle_s: float
+    candidate_first: tuple[bool, ...]  # per pair (most_pairs of them): the candidate takes the pair's first block
+    effect: float  # the attainment gain the plan is sized to detect
+    power: float  # the power at that gain with ``pairs`` pairs (below canary.power when max_window capped it)
+    baseline: float  # the applied config's attainment the sizing assumed
+    rate: float  # requests/s the sizing assumed (over the fleet)
+    replicas: tuple[int, ...] = (0,)  # one engine, or the two replicas of a fleet that trade the candidate
+
+    @property
+    def seconds(self) -> float:
+        return 2 * self.pairs * self.block_s
+
+    def arm(self, block: int) -> str:
+        """Which config block ``block`` (0-based) runs (on a fleet: on the first of the two replicas)."""
+        first = self.candidate_first[block // 2]
+        return "candidate" if first == (block % 2 == 0) else "applied"
+
+    def assignment(self, block: int) -> dict[int, str]:
+        """Replica -> the config it runs in block ``block``: one engine takes turns; of a fleet's two replicas
+        one runs the candidate while the other runs the applied config, and they trade within each pair."""
+        arm = self.arm(block)
+        if len(self.replicas) == 1:
+            return {self.replicas[0]: arm}
+        return {self.replicas[0]: arm, self.replicas[1]: "applied" if arm == "candidate" else "candidate"}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"pairs": self.pairs, "most_pairs": self.most_pairs, "block_s": self.block_s, "settle_s": self.settle_s,
+                "candidate_first": list(self.candidate_first),
+                "effect": round(self.effect, 4), "power": round(self.power, 4), "baseline": round(self.baseline, 4),
+                "rate": round(self.rate, 4), "replicas": list(self.replicas)}
 
 
-def drains(before: WindowStats, canary: WindowStats) -> Interval | None:
-    """The same ratio, only once the queue shrank under the canary (else None): a keep before the window's end."""
-    return serves_faster(before, canary) if canary.arrived < canary.finished else None
+def pair_variance(baseline: float, effect: float, per_block: float) -> float:
+    """The variance of one pair's difference of shares, each block holding ``per_block`` requests."""
+    p = min(max(baseline, 0.02), 0.98)
+    q = min(max(p + effect, 0.02), 0.98)
+    return DESIGN_EFFECT * (p * (1 - p) + q * (1 - q)) / max(per_block, 1.0)
+
+
+def z_sum(spec: Canary) -> float:
+    return NORMAL.inv_cdf(1 - spec.level) + NORMAL.inv_cdf(spec.power)
+
+
+def power_of(pairs: int, effect: float, variance: float, level: float) -> float:
+    """The normal approximation of the one-sided test's power with ``pairs`` pairs."""
+    if pairs < 1:
+        return 0.0
+    z = effect / math.sqrt(variance / pairs)
+    return NORMAL.cdf(z - NORMAL.inv_cdf(1 - level))
+
+
+def plan_switchback(spec: Canary, rate: float, baseline: float, predicted_gain: float, seed: int,
+                    fleet: int = 1) -> SwitchbackPlan:
+    """Pairs for ``spec.power`` to detect the larger of the predicted gain and ``spec.min_effect`` at ``rate``
+    requests/s from a baseline attainment ``baseline``; the order within each pair from ``seed``. On a ``fleet`` of
+    replicas sharing the traffic, two of them (drawn from ``seed``) trade the candidate: each block measures both
+    configs at once, on a replica's share of the rate."""
+    baseline = baseline if math.isfinite(baseline) else 0.5  # a window with no finished request: the widest share
+    effect = max(spec.min_effect, min(predicted_gain if math.isfinite(predicted_gain) else 0.0, 1.0 - baseline))
+    per_block = (rate if math.isfinite(rate) else 0.0) / fleet * (spec.block - spec.settle)
+    # a fleet's pair difference averages two concurrent differences: half a switchback pair's variance
+    variance = pair_variance(baseline, effect, per_block) * (0.5 if fleet > 1 else 1.0)
+    wanted = math.ceil(z_sum(spec) ** 2 * variance / (effect * effect))
+    most = int(spec.max_window // (2 * spec.block))
+    pairs = min(max(wanted, min_pairs(spec.level)), most)
+    order = random.Random(seed)
+    replicas = tuple(order.sample(range(fleet), 2)) if fleet > 1 else (0,)
+    return SwitchbackPlan(pairs, most, spec.block, spec.settle, tuple(order.random() < 0.5 for _ in range(most)),
+                          effect, power_of(pairs, effect, variance, spec.level), baseline, rate, replicas)
+
+
+def pairs_needed(differences: Sequence[float], plan: SwitchbackPlan, spec: Canary) -> int:
+    """The plan's pairs, grown to what the differences' mean square (a variance that ignores their signs) asks for
+    the planned effect and power, at most ``plan.most_pairs``."""
+    if len(differences) < 2:
+        return plan.pairs
+    square = float(np.mean(np.square(differences)))
+    return min(plan.most_pairs, max(plan.pairs, math.ceil(z_sum(spec) ** 2 * square / plan.effect ** 2)))
+
+
+@dataclass(frozen=True)
+class Block:
+    """What one block's measured part saw."""
+
+    index: int
+    arm: str  # the config its replica ran
+    attaining: int
+    judged: int  # the requests its share is of: those that finished, or those that arrived when its queue grew
+    finished: int
+    arrived: int
+    generation: int
+    replica: int = 0
+
+    @property
+    def share(self) -> float:
+        return self.attaining / self.judged if self.judged else math.nan
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "arm": self.arm, "attaining": self.attaining, "judged": self.judged,
+                "finished": self.finished, "arrived": self.arrived, "generation": self.generation, "replica": self.replica}
+
+
+@functools.lru_cache(maxsize=EXACT_FLIPS)
+def all_signs(n: int) -> np.ndarray:
+    """Every pattern of n signs, one per row."""
+    return np.array(list(itertools.product((1.0, -1.0), repeat=n)))
+
+
+def sign_flip_p_value(differences: Sequence[float], seed: int = 0) -> float:
+    """One-sided p-value of the mean of ``differences`` under random signs (each pair's order a fair coin):
+    the share of sign patterns whose sum is at least the observed one."""
+    d = np.asarray(differences, dtype=float)
+    if d.size == 0:
+        return 1.0
+    observed = d.sum() - 1e-12
+    if d.size <= EXACT_FLIPS:
+        signs = all_signs(d.size)
+    else:
+        signs = np.random.default_rng(seed).choice((1.0, -1.0), size=(SAMPLED_FLIPS, d.size))
+        signs[0] = 1.0  # the observed pattern is one of them
+    return float(np.mean(signs @ d >= observed))
+
+
+@dataclass(frozen=True)
+class Paired:
+    """The pairs' differences (candidate - applied share), their mean with a t interval, and the sign-flip
+    p-value of "no better"."""
+
+    differences: tuple[float, ...]
+    mean: Interval
+    p_value: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"differences": [round(x, 4) for x in self.differences], "mean": self.mean.as_dict(),
+                "p_value": round(self.p_value, 6), "test": "sign-flip (randomisation), one-sided"}
+
+
+def pair_differences(blocks: Sequence[Block]) -> tuple[float, ...]:
+    """Of each complete pair (both its blocks measured, every measured part with requests): the candidate's mean
+    share minus the applied config's (on a fleet, two of each: one per replica and block)."""
+    by_pair: dict[int, list[Block]] = {}
+    for b in blocks:
+        by_pair.setdefault(b.index // 2, []).append(b)
+    out = []
+    for pair in sorted(by_pair):
+        mine = by_pair[pair]
+        shares = {arm: [b.share for b in mine if b.arm == arm] for arm in ARMS}
+        if {b.index % 2 for b in mine} == {0, 1} and all(b.judged for b in mine) and all(shares.values()):
+            out.append(float(np.mean(shares["candidate"]) - np.mean(shares["applied"])))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=256)
+def t_quantile(q: float, df: int) -> float:
+    return float(stats.t.ppf(q, df))
+
+
+def mean_interval(d: Sequence[float], level: float) -> Interval:
+    """The pairs' mean difference with its t interval (two-sided at 1 - 2 level)."""
+    if len(d) < 2:
+        value = d[0] if d else math.nan
+        return Interval(value, -1.0, 1.0, 1 - 2 * level, len(d))
+    mean, sem = float(np.mean(d)), float(np.std(d, ddof=1) / math.sqrt(len(d)))
+    half = t_quantile(1 - level, len(d) - 1) * sem
+    return Interval(mean, max(-1.0, mean - half), min(1.0, mean + half), 1 - 2 * level, len(d))
+
+
+def paired(blocks: Sequence[Block], level: float) -> Paired:
+    d = pair_differences(blocks)
+    return Paired(d, mean_interval(d, level), sign_flip_p_value(d))
 
 
 @dataclass(frozen=True)
 class CanaryVerdict:
-    action: str  # "continue" | "keep" | "rollback"
+    action: str  # "continue" | "keep" | "rollback" | "abandon" (the measuring failed: back to the kept config)
     reason: str
-    difference: Interval  # canary attainment - before attainment
+    difference: Interval  # candidate - applied attainment
 
     def as_dict(self) -> dict[str, Any]:
         return {"action": self.action, "reason": self.reason, "difference": self.difference.as_dict()}
 
 
-def judge(before: WindowStats, canary: WindowStats, elapsed: float, spec: Canary,
-          fresh: WindowStats | None | bool = True) -> CanaryVerdict:
-    """``canary``: everything that finished since the canary started (the rollback rule judges it). ``fresh``: the
-    requests that finished after those queued at the start had finished (FCFS: the canary's own arrivals), which a
-    keep is judged on; True: the same as ``canary``; None/False: that queue has not drained yet (no keep)."""
-    diff = proportion_difference_interval(canary.attaining, canary.finished, *baseline(before))
-    shown = diff.format(scale=100, unit=" pp")
-    own = canary if fresh is True else fresh if isinstance(fresh, WindowStats) else None
-    # the rollback rule judges the canary's own arrivals once the inherited queue has drained; before that, all
-    # that finished, unless the config before fell behind: then the inherited requests' waits are its doing, and
-    # they would roll back any canary at once
-    judged = own if own is not None else None if fell_behind(before) else canary
-    if judged is not None and judged.finished >= MIN_FOR_ROLLBACK:
-        drop = proportion_difference_interval(judged.attaining, judged.finished, *baseline(before))
+def pooled(blocks: Sequence[Block], arm: str) -> tuple[int, int]:
+    mine = [b for b in blocks if b.arm == arm]
+    return sum(b.attaining for b in mine), sum(b.judged for b in mine)
+
+
+def judge_switchback(blocks: Sequence[Block], plan: SwitchbackPlan, spec: Canary,
+                     before: tuple[int, int] | None = None) -> CanaryVerdict:
+    """The verdict after the measured ``blocks`` so far. The rollback rule compares the candidate's blocks with the
+    applied config's and with ``before`` (attaining, judged: the window before the canary): a config that breaks
+    the SLO leaves a queue the applied config's next block serves, so the blocks alone understate the harm, and a
+    rollback never keeps, so a comparison with the window that fired the trigger costs the false-keep rate
+    nothing."""
+    candidate = pooled(blocks, "candidate")
+    for applied in (pooled(blocks, "applied"), before):
+        if applied is None or not applied[1] or candidate[1] < MIN_FOR_ROLLBACK:
+            continue
+        drop = proportion_difference_interval(*candidate, *applied)
         if drop.high < -spec.rollback_drop:
-            return CanaryVerdict("rollback", f"the SLO broke: attainment fell by {drop.format(scale=100, unit=' pp')}"
-                                             f", more than canary.rollback_drop ({spec.rollback_drop:.0%}) beyond the "
-                                             f"noise" + ("" if judged is canary else " (its own arrivals)"), drop)
-    if own is not None and elapsed >= spec.min_window and own.finished >= spec.min_requests:
-        own_diff = proportion_difference_interval(own.attaining, own.finished, *baseline(before))
-        if own_diff.low > 0:
-            return CanaryVerdict("keep", f"better beyond the noise: attainment +{own_diff.format(scale=100, unit=' pp')}"
-                                         f" over {own.finished} requests"
-                                         + ("" if own is canary else " that arrived under the canary"), own_diff)
-    drained = drains(before, canary) if own is None else None
-    if drained is not None and elapsed >= spec.min_window and canary.finished >= spec.min_requests \
-            and drained.low > 1.0:
-        return CanaryVerdict("keep", f"drains the queue the config before left (it fell behind): finishes "
-                                     f"{drained.format('x', 1, 3)} the requests/s of the config before, the queue "
-                                     f"{canary.finished - canary.arrived} shorter after {canary.finished} requests",
-                             diff)
-    if elapsed >= spec.max_window:
-        faster = serves_faster(before, canary) if own is None else None
-        if faster is not None and canary.finished >= spec.min_requests and faster.low > 1.0:
-            # rolling back would return to the slower config: keep the faster one, and let a later move catch up
-            return CanaryVerdict("keep", f"serves faster than the config before (it fell behind): finishes "
-                                         f"{faster.format('x', 1, 3)} its requests/s after {canary.finished} "
-                                         f"requests, though the queue did not shrink within canary.max_window "
-                                         f"({spec.max_window:g}s)", diff)
-        why = "too few requests" if canary.finished < spec.min_requests else "no improvement beyond the noise"
-        return CanaryVerdict("rollback", f"{why} within canary.max_window ({spec.max_window:g}s): attainment "
-                                         f"difference {shown}, {canary.finished} requests", diff)
-    return CanaryVerdict("continue", f"{canary.finished} requests, difference {shown}", diff)
+            return CanaryVerdict("rollback", f"the SLO broke: attainment fell by "
+                                             f"{drop.format(scale=100, unit=' pp')}, more than canary.rollback_drop "
+                                             f"({spec.rollback_drop:.0%}) beyond the noise", drop)
+    d = pair_differences(blocks)
+    needed = pairs_needed(d, plan, spec)
+    mean = mean_interval(d, spec.level)
+    shown = f"{mean.format(scale=100, unit=' pp')} over {len(d)} pairs"
+    done = len({b.index for b in blocks})
+    if done < 2 * needed:
+        return CanaryVerdict("continue", f"{done} of {2 * needed} blocks, difference {shown}", mean)
+    p_value = sign_flip_p_value(d)
+    if p_value <= spec.level:
+        return CanaryVerdict("keep", f"better than the applied config in the same traffic: attainment {shown}, "
+                                     f"sign-flip p = {p_value:.3g} <= canary.level {spec.level:g}", mean)
+    return CanaryVerdict("rollback", f"no gain shown over {len(d)} pairs (sized for +{plan.effect:.0%}): attainment "
+                                     f"{shown}, sign-flip p = {p_value:.3g} > canary.level {spec.level:g}", mean)

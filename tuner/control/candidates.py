@@ -4,11 +4,15 @@ guardrails, and compared with the applied config on the same simulated arrivals.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+from scipy import stats
 
 from loadtest.config import LoadConfig
 from slotune.slo import SLO
@@ -71,10 +75,12 @@ class Search:
     screened: int
     workload: dict[str, Any] = field(default_factory=dict)
     model: dict[str, Any] = field(default_factory=dict)
+    redraws: dict[str, Any] = field(default_factory=dict)  # the pick's check on fresh draws (Redraws.as_dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"candidate": self.candidate.as_dict() if self.candidate else None, "current": self.current.as_dict(),
-                "reason": self.reason, "screened": self.screened, "workload": self.workload, "model": self.model}
+                "reason": self.reason, "screened": self.screened, "workload": self.workload, "model": self.model,
+                "redraws": self.redraws}
 
 
 def live_workload(shape: Shape) -> WorkloadSpec:
@@ -149,6 +155,55 @@ def refitted_model(steps: list[dict[str, Any]], block_size: int, profile: str | 
     return model.rescaled(tagged, block_size) or model
 
 
+def deciding_figure(best: Prediction, now: Prediction, target: float) -> str | None:
+    """The figure by which ``best`` beats ``now`` (None: it does not): attainment reaching the target where the
+    applied config's does not, goodput by MIN_GAIN, or, behind a queue no config attains in the simulated window,
+    finishing more (it drains the queue sooner)."""
+    if best.attainment >= target > now.attainment:
+        return "attainment"
+    if best.attainment >= min(target, now.attainment) and best.goodput > now.goodput * (1 + MIN_GAIN):
+        return "goodput_rps"
+    if best.goodput <= now.goodput * (1 + MIN_GAIN) and now.attainment < target \
+            and best.throughput > now.throughput * (1 + MIN_GAIN) and best.goodput >= now.goodput:
+        return "served_rps"
+    return None
+
+
+def mean_prediction(knobs: dict[str, Any], draws: list[Prediction]) -> Prediction:
+    """The draws' mean of each figure the comparison reads."""
+    keys = {k for p in draws for k, v in p.summary.items() if isinstance(v, (int, float))}
+    return Prediction(knobs, {k: float(np.mean([p.figure(k, math.nan) for p in draws])) for k in keys})
+
+
+@dataclass(frozen=True)
+class Redraws:
+    """The pick against the applied config on fresh common arrivals: each draw's difference of the deciding figure
+    and the one-sided lower bound of their mean (t, 97.5 %)."""
+
+    figure: str | None
+    differences: tuple[float, ...]
+
+    @property
+    def low(self) -> float:
+        d = [x for x in self.differences if math.isfinite(x)]
+        if self.figure is None or len(d) < 2:
+            return -math.inf
+        return float(np.mean(d) - stats.t.ppf(0.975, len(d) - 1) * np.std(d, ddof=1) / math.sqrt(len(d)))
+
+    @property
+    def holds(self) -> bool:
+        return self.low > 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"figure": self.figure, "differences": [round(x, 4) for x in self.differences],
+                "low": round(self.low, 4) if math.isfinite(self.low) else None, "holds": self.holds}
+
+
+def remembered(move: dict[str, Any], current: dict[str, Any], rolled_back: list[dict[str, Any]]) -> bool:
+    """The same move from the same values was canaried and rolled back (since the workload last drifted)."""
+    return any(r["to"] == move and all(current.get(k) == v for k, v in r["from"].items()) for r in rolled_back)
+
+
 def _ranked(p: Prediction, target: float) -> tuple[bool, float, float, float, float]:
     # last, of configs that all serve the simulated load: the lowest p99 TTFT, the one with the most room to spare
     # (the step-time model is refitted on the applied config's steps: a config only just predicted to keep up
@@ -159,12 +214,16 @@ def _ranked(p: Prediction, target: float) -> tuple[bool, float, float, float, fl
 def search(policy: Policy, current: dict[str, Any], resolved: dict[str, Any], shape: Shape,
            steps: list[dict[str, Any]], study_knobs: list[dict[str, Any]], *, target: float,
            profile: str | Path | None = None, seed: int = 0, backlog: int = 0,
-           admin_config: dict[str, Any] | None = None, dtype: str | None = None) -> Search:
+           admin_config: dict[str, Any] | None = None, dtype: str | None = None,
+           rolled_back: list[dict[str, Any]] | None = None) -> Search:
     """Screen one move's candidates at the live rate times the policy's headroom, starting from the engine's live
     queue (``backlog`` requests waiting or running: a config that only keeps up once the queue is empty would
     otherwise look fine); the best one if it beats the applied config's prediction (attainment reaching the target
     where the applied one's does not, or goodput by MIN_GAIN). ``admin_config`` (GET /admin/config) and ``dtype``
-    are the engine's: its model limits and the shipped profile of its dtype."""
+    are the engine's: its model limits and the shipped profile of its dtype. The pick was chosen for its one draw
+    (the best of many noisy draws is biased up): it moves only when ``retune.draws`` fresh draws of it and the
+    applied config, on common arrivals, confirm its edge beyond their spread. A move in ``rolled_back`` is not
+    screened again."""
     from tuner.simulation.profiles import limits_of
 
     retune = policy.control.retune
@@ -195,7 +254,8 @@ def search(policy: Policy, current: dict[str, Any], resolved: dict[str, Any], sh
         seen, preds = set(), []
         for knobs in pool:
             key = repr(sorted(knobs.items()))
-            if key in seen or not changed(knobs, current) or within(knobs, current, policy) is not None:
+            if key in seen or not changed(knobs, current) or within(knobs, current, policy) is not None \
+                    or remembered(changed(knobs, current), current, rolled_back or []):
                 continue
             seen.add(key)
             preds.append(predict(knobs))
@@ -203,16 +263,34 @@ def search(policy: Policy, current: dict[str, Any], resolved: dict[str, Any], sh
     if not preds:
         return Search(None, now, "no candidate within the guardrails differs from the applied config", 0, **info)
     best = max(preds, key=lambda p: _ranked(p, target))
-    better = (best.attainment >= target > now.attainment) or (
-        best.attainment >= min(target, now.attainment) and best.goodput > now.goodput * (1 + MIN_GAIN)) or (
-        # behind a queue no config attains within the simulated window: the one that finishes more drains it
-        best.goodput <= now.goodput * (1 + MIN_GAIN) and now.attainment < target
-        and best.throughput > now.throughput * (1 + MIN_GAIN) and best.goodput >= now.goodput)
-    if not better:
+    if deciding_figure(best, now, target) is None:
         return Search(None, now, f"no candidate is predicted to beat the applied config (best: attainment "
                                  f"{best.attainment:.0%}, goodput {best.goodput:.2f} rps; applied: "
                                  f"{now.attainment:.0%}, {now.goodput:.2f} rps)", len(preds), **info)
-    return Search(best, now, f"predicted attainment {now.attainment:.0%} -> {best.attainment:.0%}, goodput "
-                             f"{now.goodput:.2f} -> {best.goodput:.2f} rps, finishing {now.throughput:.2f} -> "
-                             f"{best.throughput:.2f} req/s at {rate:.2f} req/s"
-                             + (f" behind a queue of {backlog}" if backlog else ""), len(preds), **info)
+    return confirmed(sim, best, now, target, seed, retune.draws, len(preds), info)
+
+
+def confirmed(sim: SimTrialRunner, best: Prediction, now: Prediction, target: float, seed: int, draws: int,
+              screened: int, info: dict[str, Any]) -> Search:
+    """``best`` against the applied config on ``draws`` fresh common arrival draws: the move only when its edge
+    holds there beyond the draws' spread."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fresh = [(Prediction(best.knobs, dataclasses.replace(sim, seed=s).run(best.knobs).summary or {}),
+                  Prediction(now.knobs, dataclasses.replace(sim, seed=s).run({}).summary or {}))
+                 for s in range(seed * 1000 + 1, seed * 1000 + 1 + draws)]
+    pick, applied = mean_prediction(best.knobs, [f[0] for f in fresh]), mean_prediction(now.knobs, [f[1] for f in fresh])
+    figure = deciding_figure(pick, applied, target)
+    redraws = Redraws(figure, tuple(b.figure(figure, math.nan) - a.figure(figure, math.nan) for b, a in fresh)
+                      if figure else ())
+    info = {**info, "redraws": redraws.as_dict()}
+    if not redraws.holds:
+        return Search(None, now, f"the pick's edge did not hold on {draws} fresh draws (attainment "
+                                 f"{applied.attainment:.0%} -> {pick.attainment:.0%}, goodput {applied.goodput:.2f} "
+                                 f"-> {pick.goodput:.2f} rps)", screened, **info)
+    backlog = info["workload"]["backlog"]
+    return Search(pick, applied, f"predicted over {draws} fresh draws: attainment {applied.attainment:.0%} -> "
+                                 f"{pick.attainment:.0%}, goodput {applied.goodput:.2f} -> {pick.goodput:.2f} rps, "
+                                 f"finishing {applied.throughput:.2f} -> {pick.throughput:.2f} req/s at "
+                                 f"{sim.rate:.2f} req/s" + (f" behind a queue of {backlog}" if backlog else ""),
+                  screened, **info)

@@ -3,10 +3,14 @@
     slotune control --engine-url http://127.0.0.1:8000 --admin-token T --policy policies/default.yaml \\
         --log controller.jsonl [--prometheus-url http://127.0.0.1:9090] [--storage tune-study.db] \\
         [--mode advisory|act] [--metrics-port 9400]
+    slotune control --engine-url http://10.0.0.5:8000 --engine-url http://10.0.0.6:8000 ...   # a fleet
+    slotune control --engine-url http://engine:8000 --discover ...    # every replica behind a service's DNS name
 
 Watches the engine's metrics (its /metrics, or the same series through Prometheus), and on a trigger of the
 policy (attainment below target, workload drift, schedule) retunes in the simulator within the guardrails, runs
-the candidate as a leased canary, and keeps it or rolls it back. ``--mode advisory`` decides and logs, applies
+the candidate as a leased canary against the applied config over the same traffic (on one engine the two take turns
+in blocks; on a fleet two replicas trade them, the other as control at the same time), and keeps it everywhere or
+rolls it back. ``--mode advisory`` decides and logs, applies
 nothing. Every decision is one JSONL line in ``--log``; a restarted controller resumes from it.
 """
 
@@ -25,13 +29,17 @@ from tuner.control.controller_metrics import ControllerMetrics
 from tuner.control.decision_log import DecisionLog
 from tuner.control.engine_admin import LeasingEngine
 from tuner.control.loop import Controller
-from tuner.control.sources import EngineMetricsSource, MetricsSource, PrometheusSource
+from tuner.control.sources import SourceUnavailable, discover, fleet_source
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slotune control", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine-url", required=True, help="the engine (`slotune serve`): admin API and step records")
+    p.add_argument("--engine-url", required=True, action="append", help="the engine (`slotune serve`): admin API "
+                   "and step records; repeat it for each replica of a fleet (the load balancer in front of them "
+                   "shares the traffic)")
+    p.add_argument("--discover", action="store_true", help="--engine-url names a service: every address its host "
+                   "name resolves to is a replica (Docker's or a headless Kubernetes service's DNS)")
     p.add_argument("--admin-token", default=None, help="the engine's admin token (default: $SLOTUNE_ADMIN_TOKEN; the "
                    "environment keeps it out of the process list, where any user can read a command line)")
     p.add_argument("--policy", default=None, help="policy YAML (default: the shipped policies/default.yaml)")
@@ -75,14 +83,20 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(proposal, dict) or not proposal:
             print("slotune control: --propose: must be a JSON object of knobs", file=sys.stderr)
             return 2
-    source: MetricsSource = (PrometheusSource(args.prometheus_url, args.prometheus_selector)
-                             if args.prometheus_url else EngineMetricsSource(args.engine_url))
+    urls = [u.rstrip("/") for u in args.engine_url]
+    if args.discover:
+        try:
+            urls = [u for url in urls for u in discover(url)]
+        except SourceUnavailable as error:
+            print(f"slotune control: --discover: {error}", file=sys.stderr)
+            return 2
+    source = fleet_source(urls, args.prometheus_url, args.prometheus_selector)
     metrics = ControllerMetrics()
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port, args.metrics_host)
-    controller = Controller(policy, source, LeasingEngine(args.engine_url, args.admin_token), DecisionLog(args.log),
-                            metrics=metrics, mode=args.mode, poll_s=args.poll, profile=args.profile,
-                            storage=args.storage)
+    fleet = [LeasingEngine(url, args.admin_token) for url in urls]
+    controller = Controller(policy, source, fleet[0], DecisionLog(args.log), metrics=metrics, mode=args.mode,
+                            poll_s=args.poll, profile=args.profile, storage=args.storage, fleet=fleet)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

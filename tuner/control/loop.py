@@ -18,12 +18,14 @@ from typing import Any
 
 from slotune.slo import SLO
 from policies import Policy
-from tuner.control.canary import judge
+from tuner.control.canary import plan_switchback
+from tuner.control.canary_run import CanaryRun, Ending
 from tuner.control.candidates import Prediction, Search, search
 from tuner.control.controller_metrics import ControllerMetrics
 from tuner.control.decision_log import DecisionLog, ResumeState, resume
 from tuner.control.engine_admin import LeasingEngine, resolved_knobs
 from tuner.control.guardrails import changed, cooldown_left
+from tuner.control.drift import DriftMonitor
 from tuner.control.shape import Shape, shape_of
 from tuner.control.sources import MetricsSource, Scrape, SourceUnavailable
 from tuner.control.triggers import Trigger, first_trigger
@@ -39,20 +41,6 @@ def queued(scrape: Scrape) -> int:
 
 
 @dataclass
-class CanaryRun:
-    id: int
-    generation: int
-    kept_knobs: dict[str, Any]  # the changed knobs' values before the canary (what a rollback PATCHes)
-    started: float
-    start_scrape: Scrape
-    before: WindowStats
-    trigger: Trigger
-    search: Search
-    inherited: int  # requests in the engine when the canary started (their latency is partly the old config's)
-    fresh_scrape: Scrape | None = None  # the first scrape after those had finished
-
-
-@dataclass
 class Controller:
     policy: Policy
     source: MetricsSource
@@ -65,16 +53,18 @@ class Controller:
     profile: str | None = None
     storage: str | None = None
     say: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)
+    # every replica of a fleet behind the source (its replicas' scrapes in that order); None: the one engine
+    fleet: list[LeasingEngine] | None = None
 
     def __post_init__(self) -> None:
+        self.replicas: list[LeasingEngine] = list(self.fleet or [self.engine])
         t, r = self.policy.control.triggers, self.policy.control.retune
         self.keep_s = max(t.window, 2 * t.drift_window, r.step_history) + 4 * self.poll_s
         self.history: deque[Scrape] = deque()
         self.canary: CanaryRun | None = None
         self.state: ResumeState = resume(self.log.records())
-        self.reference_since: float | None = None
-        # the reference window's shape, kept once measured: its scrapes leave the history after keep_s
-        self.reference: Shape | None = None
+        self.drift = DriftMonitor(t)
+        self.look_start: float | None = None  # where the drift monitor's next window begins
         self.last_observation = 0.0
         self.source_down = False
         self.slo = SLO(tbt_p99=self.policy.slo.tbt_p99, ttft_p99=self.policy.slo.ttft_p99)
@@ -83,7 +73,7 @@ class Controller:
 
     # ---------------------------------------------------------------------------------------------- running
     def run(self, stop: Callable[[], bool] = lambda: False, proposal: dict[str, Any] | None = None) -> None:
-        self.close_open_canary()
+        self.close_open_canary(stop)
         self.pending_proposal = dict(proposal) if proposal else None
         while not stop():
             started = time.monotonic()
@@ -95,11 +85,10 @@ class Controller:
         if scrape is None:
             return
         now = scrape.time
-        if self.reference_since is None:
-            self.reference_since = now
         if self.canary is not None:
             self.canary_tick(scrape)
             return
+        alarm = self.drift_look(now)
         stats = self.trigger_window()
         if stats is not None:
             self.metrics.attainment.set(stats.attainment.value)
@@ -111,8 +100,7 @@ class Controller:
             self.act(Trigger("proposal", "an operator's proposed config (--propose)", {"knobs": knobs}), stats,
                      proposal=knobs)
             return
-        trigger = first_trigger(stats, self.recent_shape(), self.reference_shape(), now,
-                                self.state.last_retune_time, self.policy.control.triggers)
+        trigger = first_trigger(stats, alarm, now, self.state.last_retune_time, self.policy.control.triggers)
         if trigger is not None and stats is not None:
             self.metrics.triggers.labels(kind=trigger.kind).inc()
             self.act(trigger, stats)
@@ -183,25 +171,19 @@ class Controller:
         shape = self.shape_between(self.history[-1].time - length, self.history[-1].time)
         return shape if shape is not None and shape.seconds >= WINDOW_COVER * length else None
 
-    def reference_shape(self) -> Shape | None:
-        """The workload's shape after the last decision (or the start), to judge drift against: from then up to
-        where the recent window begins, at least a drift window long, and kept once it holds the trigger's minimum
-        of requests (the history drops its scrapes after keep_s; at a low rate one drift window may hold too few)."""
-        if self.reference is not None:
-            return self.reference
-        t = self.policy.control.triggers
-        if self.reference_since is None or not self.history:
+    def drift_look(self, now: float) -> dict[str, Any] | None:
+        """Every drift window (consecutive, within one config generation), its shape to the drift monitor; the
+        monitor's alarm, if it raised one."""
+        length = self.policy.control.triggers.drift_window
+        if self.look_start is None:
+            self.look_start = now
+        if now - self.look_start < length:
             return None
-        start = max(self.reference_since, self.history[0].time)
-        end = self.history[-1].time - t.drift_window
-        if end - start < t.drift_window:
-            return None
-        shape = self.shape_between(start, end)
-        if shape is None or shape.seconds < WINDOW_COVER * t.drift_window:
-            return None
-        if shape.requests >= t.min_requests:
-            self.reference = shape
-        return shape
+        shape = self.shape_between(self.look_start, now)
+        self.look_start = now
+        if shape is None or shape.seconds < WINDOW_COVER * length:
+            return None  # the window spans an engine restart or a config change: not a look at one traffic
+        return self.drift.add(shape)
 
     def observe(self, scrape: Scrape, stats: WindowStats | None) -> None:
         if scrape.time - self.last_observation < self.observe_every:
@@ -220,9 +202,9 @@ class Controller:
         self.state.next_id = max(self.state.next_id, did + 1)
         record = self.log.write("decision", id=did, outcome=outcome, trigger=trigger.as_dict(), reason=reason,
                                 mode=self.mode, **fields)
-        self.state.last_decision_time = self.state.last_retune_time = record["time"]
-        self.state.decisions += 1
-        self.reference_since, self.reference = record["time"], None
+        self.state.note_decision(record)
+        self.drift.reset()  # the traffic after a decision is the next reference
+        self.look_start = None
         self.metrics.decided(outcome)
         self.say(f"slotune control: decision {did}: {outcome} ({trigger.kind}): {reason}")
 
@@ -245,9 +227,19 @@ class Controller:
 
     def act(self, trigger: Trigger, before: WindowStats, proposal: dict[str, Any] | None = None) -> None:
         try:
-            payload = self.engine.admin_config()
-            if payload.get("lease") is not None:
-                self.say("slotune control: the engine holds another lease; not moving")
+            payloads = [engine.admin_config() for engine in self.replicas]
+            payload = payloads[0]
+            held = [(r, p["lease"]) for r, p in enumerate(payloads) if p.get("lease") is not None]
+            if held:  # a decision all the same: the cool-down, not a re-fire every poll
+                self.decide("no_move", trigger, f"the engine holds another lease (replica {held[0][0]}, generation "
+                                                f"{held[0][1].get('generation')}): not moving",
+                            before=before.as_dict())
+                return
+            differ = [r for r, p in enumerate(payloads) if p["config"] != payload["config"]]
+            if differ:
+                self.decide("no_move", trigger, f"the replicas run different configs (replica {differ[0]}: "
+                                                f"{changed(payloads[differ[0]]['config'], payload['config'])}): a "
+                                                "canary needs them alike", before=before.as_dict())
                 return
             steps, _ = self.engine.steps(-1)
         except EngineError as error:
@@ -255,6 +247,8 @@ class Controller:
             self.log.write("event", what="engine_unreachable", detail=str(error))
             return
         current, resolved = dict(payload["config"]), resolved_knobs(payload)
+        if trigger.kind == "drift":  # the workload changed: the moves rolled back before may serve it now
+            self.state.rolled_back = []
         generation = int(payload["generation"])
         if proposal is not None:
             found = Search(Prediction({**current, **proposal}, {}), Prediction(current, {}),
@@ -270,7 +264,7 @@ class Controller:
                 found = search(self.policy, current, resolved, shape, recent_steps, self.study_knobs(),
                                target=self.policy.control.triggers.attainment_target, profile=self.profile,
                                seed=self.state.next_id, backlog=queued(self.history[-1]), admin_config=payload,
-                               dtype=self.dtype())
+                               dtype=self.dtype(), rolled_back=self.state.rolled_back)
             except Exception as error:  # a retune that fails is a decision not to move; the controller keeps watching
                 self.decide("no_move", trigger, f"the retune failed: {type(error).__name__}: {error}",
                             before=before.as_dict(), shape=shape.as_dict())
@@ -283,101 +277,89 @@ class Controller:
         if self.mode == "advisory":
             self.decide("advised", trigger, f"would canary {move}: {found.reason}", candidate=move, **evidence)
             return
-        self.start_canary(trigger, before, found, move, current, generation)
+        self.start_canary(trigger, before, found, move, current, [int(p["generation"]) for p in payloads])
 
     def start_canary(self, trigger: Trigger, before: WindowStats, found: Search, move: dict[str, Any],
-                     current: dict[str, Any], generation: int) -> None:
+                     current: dict[str, Any], generations: list[int]) -> None:
         spec = self.policy.control.canary
         did = self.state.next_id
+        gain = found.candidate.attainment - found.current.attainment if found.candidate and found.current.summary \
+            else 0.0
+        plan = plan_switchback(spec, before.arrival_rate, before.attainment.value, gain, seed=did,
+                               fleet=len(self.replicas))
+        evidence: dict[str, Any] = {"before": before.as_dict(), "search": found.as_dict()}
+        run = CanaryRun(did, plan, spec, {k: current.get(k) for k in move}, move, trigger, evidence,
+                        (before.attaining, before.finished), self.replicas, dict(enumerate(generations)))
         try:
-            applied = self.engine.apply(move, lease_s=spec.lease_s)
+            run.switch(0, self.log, time.time())
         except ConfigRejected as error:
             self.decide("no_move", trigger, f"the engine rejected the candidate {move}: {error}", candidate=move,
-                        before=before.as_dict(), search=found.as_dict())
+                        **evidence)
             return
         except EngineError as error:
             self.say(f"slotune control: engine unreachable, canary not started: {error}")
             return
         self.state.next_id = did + 1
-        kept = {k: current.get(k) for k in move}
-        self.log.write("canary", id=did, generation=applied["generation"], kept_generation=generation,
-                       candidate=move, kept_knobs=kept, lease_s=spec.lease_s, trigger=trigger.as_dict(),
-                       before=before.as_dict(), search=found.as_dict())
+        self.log.write("canary", id=did, kept_generations=generations, candidate=move, kept_knobs=run.kept_knobs,
+                       lease_s=spec.lease_s, lease_until=run.lease_until, plan=plan.as_dict(),
+                       replicas={r: {"url": s.engine.url, "arm": s.arm, "generation": s.generation}
+                                 for r, s in run.replicas.items()}, trigger=trigger.as_dict(), **evidence)
         self.metrics.canary.set(1)
-        self.say(f"slotune control: canary {did}: {move} as generation {applied['generation']} "
-                 f"(lease {spec.lease_s:g}s): {found.reason}")
-        start = self.scrape()
-        first = start or self.history[-1]
-        inherited = queued(first)
-        self.canary = CanaryRun(did, int(applied["generation"]), kept, time.time(), first, before, trigger, found,
-                                inherited)
+        where = f"on replicas {plan.replicas[0]} and {plan.replicas[1]} in turn, the other as control" \
+            if len(plan.replicas) > 1 else "taking turns with the applied config"
+        self.say(f"slotune control: canary {did}: {move} {where}, {plan.pairs} pairs of {plan.block_s:g}s blocks "
+                 f"(power {plan.power:.0%} for +{plan.effect:.0%}): {found.reason}")
+        self.canary = run
 
     def canary_tick(self, scrape: Scrape) -> None:
         run = self.canary
-        assert run is not None
-        gen = int(scrape.get("slotune_config_generation"))
-        fields = {"candidate": changed(run.search.candidate.knobs if run.search.candidate else {}, run.kept_knobs),
-                  "before": run.before.as_dict(), "search": run.search.as_dict(), "generation": run.generation}
-        if gen != run.generation:
-            self.end_canary("abandoned", f"the engine left the canary's generation {run.generation} (now {gen}): "
-                                         "its lease expired or someone else changed the config", fields)
-            return
-        try:
-            measured = window(run.start_scrape, scrape, self.slo)
-        except CounterReset as error:
-            self.end_canary("abandoned", str(error), fields)
-            return
-        self.observe(scrape, measured)
-        if run.fresh_scrape is None and measured.finished >= run.inherited:
-            run.fresh_scrape = scrape
-        fresh = window(run.fresh_scrape, scrape, self.slo) if run.fresh_scrape is not None else None
-        verdict = judge(run.before, measured, scrape.time - run.started, self.policy.control.canary, fresh)
-        if verdict.action == "continue":
-            return
-        fields.update(measured=measured.as_dict(), measured_own=fresh.as_dict() if fresh else None,
-                      inherited_requests=run.inherited, verdict=verdict.as_dict())
-        try:
-            if verdict.action == "keep":
-                self.engine.confirm(run.generation)
-                self.end_canary("kept", verdict.reason, fields)
-            else:
-                self.engine.apply(run.kept_knobs)
-                self.end_canary("rolled_back", verdict.reason, fields)
-        except ConfigRejected as error:
-            self.end_canary("abandoned", f"the engine refused to {verdict.action}: {error}", fields)
-        except EngineError as error:  # unverifiable: leave it to the lease, try again next tick
-            self.say(f"slotune control: engine unreachable during canary {run.id}: {error}")
+        assert run is not None  # called only while a canary runs
+        self.observe(scrape, None)
+        ending = run.tick(scrape, self.log, self.slo)
+        if ending is not None:
+            self.end_canary(ending)
 
-    def end_canary(self, outcome: str, reason: str, fields: dict[str, Any]) -> None:
+    def end_canary(self, ending: Ending) -> None:
         run = self.canary
-        assert run is not None
+        assert run is not None  # called only while a canary runs
         self.canary = None
         self.metrics.canary.set(0)
-        self.decide(outcome, run.trigger, reason, decision_id=run.id, **fields)
+        self.decide(ending.outcome, run.trigger, ending.reason, decision_id=run.id, **ending.fields)
 
-    def close_open_canary(self) -> None:
-        """A canary the log started but never decided (the controller was killed): roll it back when it is still
-        under lease, or record that the engine's lease already did; either way one decision closes it."""
+    def close_open_canary(self, stop: Callable[[], bool] = lambda: False) -> None:
+        """A canary the log started but never decided (the controller was killed): each replica that still runs its
+        candidate under lease is rolled back, the others are on the kept config already; one decision closes it.
+        An engine that does not answer is asked until the candidate's lease has run out: by then the engine, if it
+        is up, has returned to the kept config by itself."""
         open_canary = self.state.open_canary
         if open_canary is None:
             return
         trigger = Trigger(**{k: open_canary["trigger"].get(k, "") for k in ("kind", "reason")},
                           evidence=open_canary["trigger"].get("evidence", {}))
-        while True:
+        lease_until = float(open_canary.get("lease_until") or open_canary["time"] + float(open_canary["lease_s"]))
+        by_url = {engine.url: engine for engine in self.replicas}
+        driven = [(by_url.get(str(v["url"]).rstrip("/")), int(v["generation"]))
+                  for v in (open_canary.get("replicas") or {}).values()]
+        rolled, left = [], [(e, g) for e, g in driven if e is not None]
+        reason = ""
+        while left:
+            engine, generation = left[0]
             try:
-                payload = self.engine.admin_config()
-                lease = payload.get("lease")
-                if lease is not None and int(lease["generation"]) == int(open_canary["generation"]):
-                    self.engine.apply(open_canary["kept_knobs"])
-                    reason = "the controller restarted mid-canary (its evidence is gone): rolled back to the kept config"
-                else:
-                    reason = (f"the controller restarted mid-canary; the engine is on generation "
-                              f"{payload['generation']}, its lease having returned it to the kept config")
-                break
+                lease = engine.admin_config().get("lease")
+                if lease is not None and int(lease["generation"]) == generation:
+                    engine.apply(open_canary["kept_knobs"])
+                    rolled.append(engine.url)
+                left.pop(0)
             except EngineError as error:
+                if time.time() >= lease_until or stop():
+                    reason = (f"; {engine.url} did not answer ({error}) until the candidate's lease had run out: an "
+                              "engine that is up is back on the kept config")
+                    break
                 self.say(f"slotune control: engine unreachable while closing canary {open_canary['id']}: {error}")
-                time.sleep(self.poll_s)
+                time.sleep(min(self.poll_s, max(0.0, lease_until - time.time())))
+        what = f"rolled back {', '.join(rolled)} to the kept config" if rolled else \
+            "the engine is on the kept config (its lease returned it, or the canary's applied block was in force)"
         self.state.open_canary = None
-        self.decide("abandoned", trigger, reason, decision_id=int(open_canary["id"]),
-                    candidate=open_canary.get("candidate"), generation=open_canary.get("generation"))
-
+        self.decide("abandoned", trigger, f"the controller restarted mid-canary (its evidence is gone): {what}{reason}",
+                    decision_id=int(open_canary["id"]), candidate=open_canary.get("candidate"),
+                    kept_knobs=open_canary.get("kept_knobs"))

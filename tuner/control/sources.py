@@ -6,9 +6,11 @@ sources share one code path.
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import dataclass
 from typing import Protocol
+from urllib.parse import urlsplit
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,8 +24,11 @@ SERIES = ("slotune_request_itl_p99_seconds_bucket", "slotune_request_itl_p99_sec
           "slotune_prefix_cache_queries_total", "slotune_prefix_cache_hits_total", "slotune_config_generation",
           "slotune_knob", "slotune_config_lease_pending", "slotune_num_requests_running",
           "slotune_num_requests_waiting", "slotune_num_requests_preempted")
-# Labels that tell replicas apart in Prometheus; the controller pools them (one engine behind one selector).
+# Labels that tell replicas apart in Prometheus; one source pools them (a fleet reads each replica by its own
+# source: FleetSource).
 _TARGET_LABELS = ("instance", "job")
+# A replica's state, not a count: a fleet's scrape takes its first replica's (the canary reads each replica's own).
+_STATE_SERIES = ("slotune_knob", "slotune_config_lease_pending")
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -36,6 +41,7 @@ class SourceUnavailable(RuntimeError):
 class Scrape:
     time: float  # wall clock of the scrape
     values: dict[tuple[str, Labels], float]
+    replicas: tuple[Scrape, ...] = ()  # a fleet's: each replica's own scrape (values: their sum)
 
     def get(self, name: str, **labels: str) -> float:
         return self.values.get((name, tuple(sorted(labels.items()))), 0.0)
@@ -119,3 +125,54 @@ class PrometheusSource:
         if not values:
             raise SourceUnavailable(f"{self.description}: no slotune_ series (does it scrape the engine yet?)")
         return Scrape(time.time(), values)
+
+
+@dataclass
+class FleetSource:
+    """Several replicas, each through its own source: one scrape with their sum (what the fleet served) and each
+    replica's own (what the canary compares). A replica that does not answer makes the whole scrape unavailable:
+    a sum without it would read as a drop in traffic."""
+
+    sources: list[MetricsSource]
+
+    @property
+    def description(self) -> str:
+        return f"{len(self.sources)} replicas: " + ", ".join(s.description for s in self.sources)
+
+    def scrape(self) -> Scrape:
+        replicas = tuple(source.scrape() for source in self.sources)
+        values: dict[tuple[str, Labels], float] = {}
+        for replica in replicas:
+            for key, value in replica.values.items():
+                if key[0] in _STATE_SERIES:
+                    values.setdefault(key, value)
+                else:
+                    values[key] = values.get(key, 0.0) + value
+        return Scrape(max(r.time for r in replicas), values, replicas)
+
+
+def discover(url: str) -> list[str]:
+    """One URL per address the URL's host name resolves to (the replicas of a service behind one DNS name, as
+    Docker's and Kubernetes' headless services give them), in a stable order."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        infos = socket.getaddrinfo(parts.hostname or "", port, type=socket.SOCK_STREAM)
+    except OSError as error:
+        raise SourceUnavailable(f"cannot resolve the replicas of {url}: {error}") from None
+    hosts = sorted({str(info[4][0]) for info in infos})
+    return [f"{parts.scheme}://{f'[{h}]' if ':' in h else h}:{port}" for h in hosts]
+
+
+def fleet_source(urls: list[str], prometheus_url: str | None = None, selector: str = "") -> MetricsSource:
+    """The metrics of one engine or of a fleet: each replica's /metrics, or its series in Prometheus (picked by its
+    ``instance`` label, the address Prometheus scrapes it at)."""
+    def one(url: str) -> MetricsSource:
+        if prometheus_url is None:
+            return EngineMetricsSource(url)
+        if len(urls) == 1:
+            return PrometheusSource(prometheus_url, selector)
+        instance = f'instance="{urlsplit(url).netloc}"'
+        return PrometheusSource(prometheus_url, f"{selector}, {instance}" if selector else instance)
+
+    return one(urls[0]) if len(urls) == 1 else FleetSource([one(u) for u in urls])

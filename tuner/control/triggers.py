@@ -1,7 +1,6 @@
 """The policy's triggers: SLO attainment missed over a window (its Clopper-Pearson interval entirely below the
-target, with at least ``min_requests`` finished requests), the workload's shape drifted beyond the threshold (the
-arrival rate, the mean lengths and the length distributions, each by a test: see tuner.control.shape; the length
-distributions with at least ``min_requests`` finished requests in each window), or a schedule."""
+target, with at least ``min_requests`` finished requests), the workload drifted (the drift monitor's alarm:
+tuner.control.drift), or a schedule."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from policies.control import Triggers
-from tuner.control.shape import Shape, drift_tests
 from tuner.control.window import WindowStats
 from tuner.measure.statistics import lower_verdict
 
@@ -35,17 +33,14 @@ def attainment_trigger(stats: WindowStats, spec: Triggers) -> Trigger | None:
                                  "beyond the noise", {"window": stats.as_dict(), "target": spec.attainment_target})
 
 
-def drift_trigger(recent: Shape, reference: Shape | None, spec: Triggers) -> Trigger | None:
-    if reference is None or min(recent.requests, reference.requests) < spec.min_requests:
-        return None
-    tests = drift_tests(recent, reference, spec.drift_threshold, spec.min_requests)
-    moved = [t for t in tests if t.drifted]
-    if not moved:
-        return None
-    what = ", ".join(t.describe() for t in moved)
-    return Trigger("drift", f"the workload drifted beyond {spec.drift_threshold:.0%}: {what}",
-                   {"tests": [t.as_dict() for t in tests], "recent": recent.as_dict(),
-                    "reference": reference.as_dict()})
+def drift_trigger(alarm: dict[str, Any], spec: Triggers) -> Trigger:
+    """The drift monitor's alarm (tuner.control.drift) as a trigger."""
+    scale = "square root of the arrival rate" if alarm["quantity"] == "arrival_rate" else \
+        f"mean log {alarm['quantity'].removeprefix('log_')} length"
+    return Trigger("drift", f"the workload drifted {alarm['direction']}: the {scale} moved from "
+                            f"{alarm['reference']:g} to {alarm['look']:g} and stayed moved (CUSUM {alarm['cusum']:g} > "
+                            f"{alarm['threshold']:g}, tuned to a {spec.drift_threshold:.0%} shift at "
+                            f"{spec.drift_alarms_per_hour:g} false alarms per hour)", alarm)
 
 
 def schedule_trigger(now: float, last_retune: float | None, spec: Triggers) -> Trigger | None:
@@ -54,9 +49,9 @@ def schedule_trigger(now: float, last_retune: float | None, spec: Triggers) -> T
     return Trigger("schedule", f"scheduled retune (every {spec.schedule:g}s)", {"last_retune": last_retune})
 
 
-def first_trigger(stats: WindowStats | None, recent: Shape | None, reference: Shape | None, now: float,
-                  last_retune: float | None, spec: Triggers) -> Trigger | None:
-    """The first trigger that fires, in the order attainment, drift, schedule."""
+def first_trigger(stats: WindowStats | None, drift: dict[str, Any] | None, now: float, last_retune: float | None,
+                  spec: Triggers) -> Trigger | None:
+    """The first trigger that fires, in the order attainment, drift (the monitor's alarm), schedule."""
     return ((attainment_trigger(stats, spec) if stats is not None else None)
-            or (drift_trigger(recent, reference, spec) if recent is not None else None)
+            or (drift_trigger(drift, spec) if drift is not None else None)
             or schedule_trigger(now, last_retune, spec))

@@ -18,6 +18,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any, Literal
 
 import numpy as np
@@ -139,122 +140,26 @@ def lower_verdict(estimate: Interval, target: float) -> Verdict:
     return "undecided"
 
 
+def wilson_interval(successes: int, trials: int, level: float = DEFAULT_LEVEL) -> tuple[float, float]:
+    """The Wilson score interval of a binomial share (closed form; trials > 0)."""
+    z = NormalDist().inv_cdf(0.5 + level / 2)
+    p, z2 = successes / trials, z * z
+    centre = (p + z2 / (2 * trials)) / (1 + z2 / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z2 / (4 * trials * trials)) / (1 + z2 / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def proportion_difference_interval(successes_a: int, trials_a: int, successes_b: int, trials_b: int,
                                    level: float = DEFAULT_LEVEL) -> Interval:
-    """The difference of two independent shares, a - b (a canary's attainment against the window before it), with
+    """The difference of two independent shares, a - b (a canary's attainment against the applied config's), with
     Newcombe's hybrid score interval (from each share's Wilson interval; good coverage for small counts and shares
     near 0 or 1, where the Wald interval fails). NaN and [-1, 1] when either side has no trials."""
     if trials_a <= 0 or trials_b <= 0:
         return Interval(math.nan, -1.0, 1.0, level, min(trials_a, trials_b, 0))
     pa, pb = successes_a / trials_a, successes_b / trials_b
-    ca = stats.binomtest(successes_a, trials_a).proportion_ci(confidence_level=level, method="wilson")
-    cb = stats.binomtest(successes_b, trials_b).proportion_ci(confidence_level=level, method="wilson")
+    a_low, a_high = wilson_interval(successes_a, trials_a, level)
+    b_low, b_high = wilson_interval(successes_b, trials_b, level)
     diff = pa - pb
-    low = diff - math.sqrt((pa - ca.low) ** 2 + (cb.high - pb) ** 2)
-    high = diff + math.sqrt((ca.high - pa) ** 2 + (pb - cb.low) ** 2)
+    low = diff - math.sqrt((pa - a_low) ** 2 + (b_high - pb) ** 2)
+    high = diff + math.sqrt((a_high - pa) ** 2 + (pb - b_low) ** 2)
     return Interval(diff, max(-1.0, low), min(1.0, high), level, min(trials_a, trials_b))
-
-
-def rate_ratio_interval(count_a: int, seconds_a: float, count_b: int, seconds_b: float,
-                        level: float = DEFAULT_LEVEL) -> Interval:
-    """The ratio of two Poisson rates, (count_a / seconds_a) / (count_b / seconds_b), with the exact interval
-    conditional on the total (count_a given the total is binomial): arrival rates of two windows. Unbounded
-    sides where a count is zero."""
-    total = count_a + count_b
-    if total == 0 or seconds_a <= 0 or seconds_b <= 0:
-        return Interval(math.nan, 0.0, math.inf, level, 0)
-    share = proportion_interval(count_a, total, level)
-    scale = seconds_b / seconds_a
-
-    def odds(p: float) -> float:
-        return math.inf if p >= 1.0 else p / (1.0 - p) * scale
-
-    value = odds(count_a / total) if count_b else math.inf
-    return Interval(value, odds(share.low), odds(share.high), level, total)
-
-
-def mean_ratio_interval(samples_a: Sequence[float], samples_b: Sequence[float],
-                        level: float = DEFAULT_LEVEL) -> Interval:
-    """The ratio of two independent samples' means, mean(a) / mean(b), from Welch's t interval of the difference
-    scaled by mean(b) (mean lengths of two windows, one sample per scrape interval). Unbounded with fewer than two
-    samples on a side or a non-positive mean(b)."""
-    a, b = np.asarray(samples_a, dtype=float), np.asarray(samples_b, dtype=float)
-    n = int(min(a.size, b.size))
-    if a.size < 2 or b.size < 2 or float(b.mean()) <= 0:
-        return Interval(math.nan, 0.0, math.inf, level, n)
-    mb = float(b.mean())
-    if float(a.std()) == 0.0 and float(b.std()) == 0.0:
-        r = float(a.mean()) / mb
-        return Interval(r, r, r, level, n)
-    ci = stats.ttest_ind(a, b, equal_var=False).confidence_interval(confidence_level=level)
-    return Interval(float(a.mean()) / mb, 1.0 + float(ci.low) / mb, 1.0 + float(ci.high) / mb, level, n)
-
-
-MIN_EXPECTED = 5.0  # the smallest expected count per cell for the chi-square approximation (Cochran's rule)
-
-
-@dataclass(frozen=True)
-class Homogeneity:
-    """A chi-square test of homogeneity of two samples' counts over the same classes (the buckets of two windows'
-    histograms), on adjacent classes merged until every cell's expected count is at least MIN_EXPECTED.
-
-    ``groups`` are the merged classes as (first, last) indices of the given ones; ``distance`` is the total
-    variation distance between the two samples' shares over those groups (the least share of one sample that must
-    change class to make it look like the other). A p-value of NaN: not testable (an empty side, or one group)."""
-
-    p_value: float
-    statistic: float
-    dof: int
-    groups: tuple[tuple[int, int], ...]
-    counts_a: tuple[float, ...]  # per group
-    counts_b: tuple[float, ...]
-    distance: float
-
-    def as_dict(self) -> dict[str, object]:
-        def finite(x: float) -> float | None:
-            return round(x, 6) if math.isfinite(x) else None
-
-        return {"p_value": finite(self.p_value), "statistic": finite(self.statistic), "dof": self.dof,
-                "distance": finite(self.distance), "counts_a": [round(c) for c in self.counts_a],
-                "counts_b": [round(c) for c in self.counts_b]}
-
-
-def merged_classes(counts_a: Sequence[float], counts_b: Sequence[float],
-                   min_expected: float = MIN_EXPECTED) -> tuple[tuple[int, int], ...]:
-    """Adjacent classes merged from the first on until each group's smaller expected count (its total times the
-    smaller sample's share of all) reaches ``min_expected``; a short remainder joins the last group. Classes empty
-    on both sides at either end are left out."""
-    na, nb = float(sum(counts_a)), float(sum(counts_b))
-    if na <= 0 or nb <= 0:
-        return ()
-    share = min(na, nb) / (na + nb)
-    totals = [a + b for a, b in zip(counts_a, counts_b)]
-    filled = [i for i, t in enumerate(totals) if t > 0]
-    groups: list[tuple[int, int]] = []
-    start, acc = filled[0], 0.0
-    for i in range(filled[0], filled[-1] + 1):
-        acc += totals[i]
-        if acc * share >= min_expected:
-            groups.append((start, i))
-            start, acc = i + 1, 0.0
-    if acc > 0:  # the remainder is too small for a group of its own
-        if groups:
-            groups[-1] = (groups[-1][0], filled[-1])
-        else:
-            groups.append((start, filled[-1]))
-    return tuple(groups)
-
-
-def homogeneity_test(counts_a: Sequence[float], counts_b: Sequence[float],
-                     min_expected: float = MIN_EXPECTED) -> Homogeneity:
-    """Whether two samples' counts over the same ordered classes come from one distribution (see Homogeneity)."""
-    groups = merged_classes(counts_a, counts_b, min_expected)
-    a = tuple(float(sum(counts_a[i:j + 1])) for i, j in groups)
-    b = tuple(float(sum(counts_b[i:j + 1])) for i, j in groups)
-    if len(groups) < 2:
-        return Homogeneity(math.nan, math.nan, 0, groups, a, b, 0.0 if groups else math.nan)
-    na, nb = sum(a), sum(b)
-    distance = 0.5 * sum(abs(x / na - y / nb) for x, y in zip(a, b))
-    # no continuity correction: Yates' makes the 2x2 case conservative, well below the test's level
-    result = stats.chi2_contingency(np.array([a, b]), correction=False)
-    return Homogeneity(float(result.pvalue), float(result.statistic), int(result.dof), groups, a, b, distance)

@@ -1,0 +1,131 @@
+"""The canary's switchback, simulated with the project's own plan and verdict on traffic like the real: requests
+per block from Poisson arrivals, a block's attainment that wanders over time (an autocorrelated process: bursts
+make a block's requests miss together, and the trigger fires at a trough), judged at every block as the controller
+does. A candidate no better than the applied config is kept at most at ``canary.level``; a 10-point gain is kept
+at the power the plan states."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from policies.control import Canary, min_pairs
+from tuner.control.canary import Block, judge_switchback, plan_switchback, sign_flip_p_value
+from tuner.control.canary_run import judged_block
+from tuner.control.window import WindowStats
+from tuner.measure.statistics import proportion_interval
+
+SPEC = Canary()
+TARGET = 0.9
+
+
+class Traffic:
+    """A block's true attainment: logit(base) plus an AR(1) wander (phi per block), and its requests Poisson."""
+
+    def __init__(self, rng: np.random.Generator, rate: float, base: float, phi: float = 0.8, sigma: float = 0.35):
+        self.rng, self.rate, self.base, self.phi, self.sigma = rng, rate, base, phi, sigma
+        self.x = rng.normal(0.0, sigma / math.sqrt(1 - phi * phi))
+
+    def step(self, gain: float = 0.0) -> tuple[int, int]:
+        """(attaining, requests) of the next block's measured part; ``gain`` added to its share."""
+        self.x = self.phi * self.x + self.rng.normal(0.0, self.sigma)
+        p = 1 / (1 + math.exp(-(math.log(self.base / (1 - self.base)) + self.x)))
+        n = int(self.rng.poisson(self.rate * (SPEC.block - SPEC.settle)))
+        return int(self.rng.binomial(n, min(0.999, max(0.001, p + gain)))), n
+
+
+def after_trigger(traffic: Traffic) -> tuple[int, int]:
+    """Run the traffic until a 60 s trigger window (three blocks) misses the target beyond the noise, as the
+    attainment trigger fires; that window's (attaining, requests)."""
+    window: list[tuple[int, int]] = []
+    while True:
+        window = (window + [traffic.step()])[-3:]
+        k, n = sum(w[0] for w in window), sum(w[1] for w in window)
+        if len(window) == 3 and n >= 20 and proportion_interval(k, n).high < TARGET:
+            return k, n
+
+
+def canary(traffic: Traffic, gain: float, seed: int, before: tuple[int, int] | None) -> str:
+    """One canary, judged at every block: its outcome."""
+    baseline = before[0] / before[1] if before else traffic.base
+    plan = plan_switchback(SPEC, traffic.rate, baseline, 0.0, seed)
+    blocks: list[Block] = []
+    for i in range(2 * plan.most_pairs):
+        arm = plan.arm(i)
+        k, n = traffic.step(gain if arm == "candidate" else 0.0)
+        blocks.append(Block(i, arm, k, n, n, n, 1))
+        verdict = judge_switchback(blocks, plan, SPEC, before)
+        if verdict.action != "continue":
+            return verdict.action
+    raise AssertionError("the canary outlived its longest window")
+
+
+def keep_rate(rate: float, gain: float, draws: int, trigger: bool, seed: int, base: float = 0.88) -> float:
+    rng = np.random.default_rng(seed)
+    keeps = 0
+    for i in range(draws):
+        traffic = Traffic(rng, rate, base)
+        before = after_trigger(traffic) if trigger else None
+        keeps += canary(traffic, gain, seed * 100_000 + i, before) == "keep"
+    return keeps / draws
+
+
+def at_most(observed: float, level: float, draws: int) -> bool:
+    """The observed rate is consistent with a true rate at or below ``level`` (one-sided binomial test at 1 %)."""
+    return stats.binomtest(round(observed * draws), draws, level, alternative="greater").pvalue > 0.01
+
+
+def test_a_no_better_candidate_is_kept_at_most_at_the_level_after_an_attainment_trigger() -> None:
+    """The window that fired the trigger was chosen for being bad; the before/after compare kept a no-better
+    candidate 40 % of the time after it. The switchback never compares with that window."""
+    draws = 300
+    assert at_most(keep_rate(1.6, 0.0, draws, trigger=True, seed=1), SPEC.level, draws)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rate", [0.4, 1.6])
+@pytest.mark.parametrize("trigger", [True, False])
+def test_the_false_keep_rate_holds_at_the_benchmark_rates(rate: float, trigger: bool) -> None:
+    draws = 2000
+    assert at_most(keep_rate(rate, 0.0, draws, trigger, seed=2), SPEC.level, draws)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rate", [0.4, 1.6])
+def test_a_ten_point_gain_is_kept_at_the_power_the_plan_states(rate: float) -> None:
+    draws = 600
+    stated = plan_switchback(SPEC, rate, 0.8, 0.0, 0).power
+    kept = keep_rate(rate, 0.10, draws, trigger=False, seed=3, base=0.8)
+    # the plan's power is a normal approximation with a fixed design effect: it may understate, not overstate
+    assert kept >= stated - 3 * math.sqrt(stated * (1 - stated) / draws), (kept, stated)
+
+
+def test_the_plan_states_the_power_left_when_max_window_caps_it() -> None:
+    slow, fast = plan_switchback(SPEC, 0.4, 0.8, 0.0, 0), plan_switchback(SPEC, 8.0, 0.8, 0.0, 0)
+    assert slow.pairs == slow.most_pairs == int(SPEC.max_window // (2 * SPEC.block)) and slow.power < SPEC.power
+    assert fast.pairs == min_pairs(SPEC.level) and fast.power >= SPEC.power
+    assert plan_switchback(SPEC, 0.4, 0.8, 0.4, 0).pairs < slow.pairs  # a larger predicted gain needs fewer pairs
+    assert sum(slow.candidate_first) not in (0, slow.most_pairs)  # the order is drawn per pair
+
+
+def test_the_sign_flip_test_is_exact_and_needs_enough_pairs() -> None:
+    assert sign_flip_p_value([0.1] * 5) == 2 ** -5 > SPEC.level  # five pairs can never reach 2.5 %
+    assert sign_flip_p_value([0.1] * 6) == 2 ** -6 <= SPEC.level
+    assert sign_flip_p_value([0.1, -0.1]) == 0.75
+    assert 0.0 < sign_flip_p_value([0.05] * 20) < 1e-3  # beyond the enumerated size: sampled, never 0
+
+
+def test_a_broken_candidate_is_rolled_back_at_its_first_block() -> None:
+    plan = plan_switchback(SPEC, 2.0, 0.95, 0.0, 7)
+    first = [Block(0, plan.arm(0), 2 if plan.arm(0) == "candidate" else 28, 30, 30, 30, 1)]
+    verdict = judge_switchback(first, plan, SPEC, before=(57, 60))
+    assert verdict.action == "rollback" and "SLO broke" in verdict.reason
+
+
+def test_a_block_whose_queue_grew_counts_the_requests_it_left_waiting() -> None:
+    grew = WindowStats(0.0, 15.0, 10, 25, 9, 0.05, 0, 0, 0, 0, (3, 3))
+    assert judged_block(0, "applied", grew, 3).share == pytest.approx(9 / 25)
+    assert judged_block(1, "candidate", None, 4).judged == 0
