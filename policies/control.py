@@ -84,9 +84,15 @@ class Canary:
         return 2 * self.block + self.lease_margin
 
 
+# A canary is kept by either of two tests (attainment, and requests finished while the engine is backlogged), each
+# at level / KEEP_ROUTES: together they spend the canary's one budget.
+KEEP_ROUTES = 2
+
+
 def min_pairs(level: float) -> int:
-    """The fewest pairs with which a one-sided sign-flip test can reject at ``level`` (its smallest p is 2^-pairs)."""
-    return max(1, math.ceil(math.log2(1.0 / level) - 1e-9))
+    """The fewest pairs with which a canary at ``level`` can be kept at all: each route's one-sided sign-flip test
+    at level / KEEP_ROUTES (its smallest p is 2^-pairs)."""
+    return max(1, math.ceil(math.log2(KEEP_ROUTES / level) - 1e-9))
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ BASE_POLICY: dict[str, Any] = {
     "constraints": ["chunk_size <= max_num_batched_tokens", "max_num_seqs <= max_num_batched_tokens"],
     "guardrails": {"default_max_change": 8, "cooldown": "3s"},
     "triggers": {"attainment_target": 0.9, "window": "10s", "min_requests": 8, "drift_window": "10s"},
-    # 4 s blocks, 3 s of each measured; level 0.1: at least four pairs (32 s), at most seven
+    # 4 s blocks, 3 s of each measured; level 0.1: at least five pairs (40 s), at most seven
     "canary": {"block": "4s", "settle": "1s", "level": 0.1, "max_window": "60s", "lease_margin": "5s",
                "rollback_drop": 0.15},
     "retune": {"candidates": 12, "sim_duration": "10s", "step_history": "60s"},

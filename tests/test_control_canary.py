@@ -106,7 +106,7 @@ def test_a_ten_point_gain_is_kept_at_the_power_the_plan_states(rate: float) -> N
 def test_the_plan_states_the_power_left_when_max_window_caps_it() -> None:
     slow, fast = plan_switchback(SPEC, 0.4, 0.8, 0.0, 0), plan_switchback(SPEC, 8.0, 0.8, 0.0, 0)
     assert slow.pairs == slow.most_pairs == int(SPEC.max_window // (2 * SPEC.block)) and slow.power < SPEC.power
-    assert fast.pairs == min_pairs(SPEC.level) and fast.power >= SPEC.power
+    assert fast.pairs == min_pairs(SPEC.level) and fast.power >= SPEC.power  # seven pairs at 0.025
     assert plan_switchback(SPEC, 0.4, 0.8, 0.4, 0).pairs < slow.pairs  # a larger predicted gain needs fewer pairs
     assert sum(slow.candidate_first) not in (0, slow.most_pairs)  # the order is drawn per pair
 
@@ -129,3 +129,29 @@ def test_a_block_whose_queue_grew_counts_the_requests_it_left_waiting() -> None:
     grew = WindowStats(0.0, 15.0, 10, 25, 9, 0.05, 0, 0, 0, 0, (3, 3))
     assert judged_block(0, "applied", grew, 3).share == pytest.approx(9 / 25)
     assert judged_block(1, "candidate", None, 4).judged == 0
+
+
+def backlogged_canary(rng: np.random.Generator, applied_rate: float, candidate_rate: float, seed: int) -> str:
+    """A canary behind a queue no config attains in: each block finishes Poisson(rate x 15 s) requests, none of
+    them within the SLO."""
+    plan = plan_switchback(SPEC, 2.0, 0.0, 0.0, seed)
+    blocks: list[Block] = []
+    for i in range(2 * plan.most_pairs):
+        arm = plan.arm(i)
+        n = int(rng.poisson((candidate_rate if arm == "candidate" else applied_rate) * 15.0))
+        blocks.append(Block(i, arm, 0, max(n, 1), n, n, 1, 0, 15.0, backlogged=True))
+        verdict = judge_switchback(blocks, plan, SPEC)
+        if verdict.action != "continue":
+            return verdict.action + (" drains" if "drains" in verdict.reason else "")
+    raise AssertionError("the canary outlived its longest window")
+
+
+def test_behind_a_backlog_a_config_that_finishes_more_is_kept_and_one_no_faster_at_half_the_level() -> None:
+    """The old compare kept a canary that drained a queue; the switchback's second route does it by a sign-flip
+    test of the requests finished per second, at half the canary's level (the other half is attainment's)."""
+    rng = np.random.default_rng(31)
+    draws = 400
+    same = sum(backlogged_canary(rng, 1.0, 1.0, i) == "keep drains" for i in range(draws))
+    assert at_most(same / draws, SPEC.level / 2, draws)
+    faster = sum(backlogged_canary(rng, 1.0, 2.0, i) == "keep drains" for i in range(60))  # twice as fast
+    assert faster >= 50

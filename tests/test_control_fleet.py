@@ -44,7 +44,7 @@ def test_a_canary_on_one_replica_against_the_other_is_kept_on_both(fleet: list[S
     # Blocks of 20 s, the first 6 s unmeasured, outlast a request; a gain of 40 points needs three or four pairs.
     policy = write_policy(tmp_path / "policy.yaml", slo={"tbt_p99": "1s", "ttft_p99": "1s"},
                           triggers={"window": "20s", "min_requests": 4, "drift_window": "20s"},
-                          canary={"block": "20s", "settle": "6s", "level": 0.2, "min_effect": 0.4,
+                          canary={"block": "20s", "settle": "6s", "level": 0.4, "min_effect": 0.4,
                                   "max_window": "240s", "lease_margin": "10s", "rollback_drop": 0.5})
     loads = [start_traffic(server.url, tmp_path / f"load{i}", "short=16:32", 0.3, "300s", slo=("1s", "1s"),
                            drain="200s") for i, server in enumerate(fleet)]

@@ -98,7 +98,7 @@ def test_contradictory_or_bad_controller_fields_name_the_field(sections: dict[st
     ({"canary": {"level": 0.6}}, "canary.level", "< 0.5"),
     ({"canary": {"power": 1}}, "canary.power", "< 1"),
     ({"canary": {"min_effect": 0}}, "canary.min_effect", "> 0"),
-    ({"canary": {"block": "20s", "max_window": "3m"}}, "canary.max_window", "at least 6 pairs"),
+    ({"canary": {"block": "20s", "max_window": "3m"}}, "canary.max_window", "at least 7 pairs"),
     ({"canary": {"min_window": "20s"}}, "canary.min_window", "unknown field"),
     ({"canary": {"max_window": "never"}}, "canary.max_window", "not a duration"),
     ({"canary": {"lease_margin": 0}}, "canary.lease_margin", "> 0"),
@@ -295,6 +295,24 @@ def test_a_rate_shift_long_after_the_start_is_drift_even_at_a_rate_too_low_for_o
     assert controller.history[0].time > 100  # the reference's scrapes are long gone
     assert fired_at is not None and fired_at <= 300 + 120, fired_at
     assert controller.drift.reference is not None and controller.drift.reference.requests >= 20
+
+
+def test_at_a_rate_too_low_for_one_trigger_window_the_attainment_trigger_reaches_back(tmp_path: Path) -> None:
+    """At 0.4 req/s a 30 s window holds 12 finished requests, fewer than the 20 the trigger needs: a config that
+    attains half its requests was never judged (a 20-minute run at 60 % attainment made no decision)."""
+    from tuner.control.loop import Controller
+    from tuner.control.triggers import attainment_trigger
+
+    policy = policy_with(triggers={"window": "30s", "min_requests": 20})
+    controller = Controller(policy, None, None, DecisionLog(tmp_path / "c.jsonl"), say=lambda s: None)
+    finished = 0.0
+    for t in range(0, 121, 2):
+        finished += 0.4 * 2
+        controller.remember(scrape(float(t), ok=finished / 2, count=finished, finished=finished))
+    stats = controller.trigger_window()
+    assert stats is not None and stats.finished >= 20 and stats.seconds <= 60 + 2
+    trigger = attainment_trigger(stats, policy.control.triggers)
+    assert trigger is not None and trigger.kind == "attainment"
 
 
 def test_the_retune_workload_follows_the_live_length_histograms() -> None:

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from policies.control import Canary, min_pairs
+from policies.control import KEEP_ROUTES, Canary, min_pairs
 from tuner.measure.statistics import Interval, proportion_difference_interval
 
 # Requests that queue behind one burst attain or miss together: a block's share varies more than a binomial one.
@@ -98,7 +98,7 @@ def pair_variance(baseline: float, effect: float, per_block: float) -> float:
 
 
 def z_sum(spec: Canary) -> float:
-    return NORMAL.inv_cdf(1 - spec.level) + NORMAL.inv_cdf(spec.power)
+    return NORMAL.inv_cdf(1 - spec.level / KEEP_ROUTES) + NORMAL.inv_cdf(spec.power)
 
 
 def power_of(pairs: int, effect: float, variance: float, level: float) -> float:
@@ -126,7 +126,8 @@ def plan_switchback(spec: Canary, rate: float, baseline: float, predicted_gain: 
     order = random.Random(seed)
     replicas = tuple(order.sample(range(fleet), 2)) if fleet > 1 else (0,)
     return SwitchbackPlan(pairs, most, spec.block, spec.settle, tuple(order.random() < 0.5 for _ in range(most)),
-                          effect, power_of(pairs, effect, variance, spec.level), baseline, rate, replicas)
+                          effect, power_of(pairs, effect, variance, spec.level / KEEP_ROUTES), baseline, rate,
+                          replicas)
 
 
 def pairs_needed(differences: Sequence[float], plan: SwitchbackPlan, spec: Canary) -> int:
@@ -150,14 +151,22 @@ class Block:
     arrived: int
     generation: int
     replica: int = 0
+    seconds: float = 0.0  # the measured part's length
+    backlogged: bool = False  # requests waited in the engine at both ends of the measured part
 
     @property
     def share(self) -> float:
         return self.attaining / self.judged if self.judged else math.nan
 
+    @property
+    def service(self) -> float:
+        """Requests finished per second: while backlogged, the config's service rate."""
+        return self.finished / self.seconds if self.seconds > 0 else math.nan
+
     def as_dict(self) -> dict[str, Any]:
         return {"index": self.index, "arm": self.arm, "attaining": self.attaining, "judged": self.judged,
-                "finished": self.finished, "arrived": self.arrived, "generation": self.generation, "replica": self.replica}
+                "finished": self.finished, "arrived": self.arrived, "generation": self.generation, "replica": self.replica,
+                "seconds": round(self.seconds, 3), "backlogged": self.backlogged}
 
 
 @functools.lru_cache(maxsize=EXACT_FLIPS)
@@ -195,18 +204,19 @@ class Paired:
                 "p_value": round(self.p_value, 6), "test": "sign-flip (randomisation), one-sided"}
 
 
-def pair_differences(blocks: Sequence[Block]) -> tuple[float, ...]:
+def pair_differences(blocks: Sequence[Block], figure: str = "share") -> tuple[float, ...]:
     """Of each complete pair (both its blocks measured, every measured part with requests): the candidate's mean
-    share minus the applied config's (on a fleet, two of each: one per replica and block)."""
+    ``figure`` (``share``: attainment; ``service``: requests finished per second) minus the applied config's (on a
+    fleet, two of each: one per replica and block)."""
     by_pair: dict[int, list[Block]] = {}
     for b in blocks:
         by_pair.setdefault(b.index // 2, []).append(b)
     out = []
     for pair in sorted(by_pair):
         mine = by_pair[pair]
-        shares = {arm: [b.share for b in mine if b.arm == arm] for arm in ARMS}
-        if {b.index % 2 for b in mine} == {0, 1} and all(b.judged for b in mine) and all(shares.values()):
-            out.append(float(np.mean(shares["candidate"]) - np.mean(shares["applied"])))
+        values = {arm: [getattr(b, figure) for b in mine if b.arm == arm] for arm in ARMS}
+        if {b.index % 2 for b in mine} == {0, 1} and all(b.judged for b in mine) and all(values.values()):
+            out.append(float(np.mean(values["candidate"]) - np.mean(values["applied"])))
     return tuple(out)
 
 
@@ -268,9 +278,32 @@ def judge_switchback(blocks: Sequence[Block], plan: SwitchbackPlan, spec: Canary
     done = len({b.index for b in blocks})
     if done < 2 * needed:
         return CanaryVerdict("continue", f"{done} of {2 * needed} blocks, difference {shown}", mean)
+    level = spec.level / KEEP_ROUTES
     p_value = sign_flip_p_value(d)
-    if p_value <= spec.level:
+    if p_value <= level:
         return CanaryVerdict("keep", f"better than the applied config in the same traffic: attainment {shown}, "
-                                     f"sign-flip p = {p_value:.3g} <= canary.level {spec.level:g}", mean)
+                                     f"sign-flip p = {p_value:.3g} <= {level:g} (canary.level over its two routes)",
+                             mean)
+    faster = drains(blocks, level)
+    if faster is not None:
+        return CanaryVerdict("keep", faster, mean)
     return CanaryVerdict("rollback", f"no gain shown over {len(d)} pairs (sized for +{plan.effect:.0%}): attainment "
-                                     f"{shown}, sign-flip p = {p_value:.3g} > canary.level {spec.level:g}", mean)
+                                     f"{shown}, sign-flip p = {p_value:.3g} > {level:g}; no faster service shown "
+                                     "while backlogged", mean)
+
+
+def drains(blocks: Sequence[Block], level: float) -> str | None:
+    """The second route: behind a backlog (requests waiting at both ends of every measured part) no config attains,
+    and the one that finishes more requests per second drains the queue. Why it is kept, when its service rate is
+    higher by the sign-flip test at ``level`` and its attainment no lower; else None."""
+    if not blocks or not all(b.backlogged for b in blocks):
+        return None
+    d = pair_differences(blocks, "service")
+    p_value = sign_flip_p_value(d)
+    candidate, applied = pooled(blocks, "candidate"), pooled(blocks, "applied")
+    no_lower = candidate[0] * applied[1] >= applied[0] * candidate[1]
+    if p_value > level or not no_lower:
+        return None
+    mean = mean_interval(d, level)
+    return (f"drains the backlog faster than the applied config: {mean.format(unit=' req/s')} more finished per "
+            f"second over {len(d)} pairs, sign-flip p = {p_value:.3g} <= {level:g}, attainment no lower")

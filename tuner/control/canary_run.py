@@ -32,13 +32,18 @@ class Ending:
     fields: dict[str, Any]
 
 
-def judged_block(index: int, arm: str, stats: WindowStats | None, generation: int, replica: int = 0) -> Block:
+def judged_block(index: int, arm: str, stats: WindowStats | None, generation: int, replica: int = 0,
+                 backlogged: bool = False) -> Block:
     """A block's measured part as the verdict counts it: over the requests that finished, or over those that
     arrived when its queue grew (those it left waiting had not attained)."""
     if stats is None:
         return Block(index, arm, 0, 0, 0, 0, generation, replica)
     return Block(index, arm, stats.attaining, max(stats.finished, stats.arrived), stats.finished, stats.arrived,
-                 generation, replica)
+                 generation, replica, stats.seconds, backlogged)
+
+
+def waiting(scrape: Scrape | None) -> bool:
+    return scrape is not None and scrape.get("slotune_num_requests_waiting") > 0
 
 
 @dataclass
@@ -121,7 +126,8 @@ class CanaryRun:
             for r, replica in self.replicas.items():
                 stats = window(replica.measure_from, replica.last, slo) if replica.measure_from and replica.last \
                     else None
-                self.blocks.append(judged_block(self.block, replica.arm, stats, replica.generation, r))
+                backlogged = waiting(replica.measure_from) and waiting(replica.last)
+                self.blocks.append(judged_block(self.block, replica.arm, stats, replica.generation, r, backlogged))
         except CounterReset as error:
             return Ending("abandoned", str(error), self.fields())
         verdict = judge_switchback(self.blocks, self.plan, self.spec, self.before)

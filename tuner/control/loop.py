@@ -153,8 +153,21 @@ class Controller:
             return None
 
     def trigger_window(self) -> WindowStats | None:
-        length = self.policy.control.triggers.window
-        return self.span(self.history[-1].time - length, length) if self.history else None
+        """The last ``triggers.window`` seconds, or, where they hold fewer than ``min_requests`` finished requests
+        (a low rate), as many whole windows back as it takes, within the history and the config generation: one
+        window of a low rate would never be judged, and a config that misses its SLO would never be noticed."""
+        if not self.history:
+            return None
+        t = self.policy.control.triggers
+        stats = None
+        for windows in range(1, int(self.keep_s // t.window) + 1):
+            longer = self.span(self.history[-1].time - windows * t.window, windows * t.window)
+            if longer is None:
+                break
+            stats = longer
+            if stats.finished >= t.min_requests:
+                break
+        return stats
 
     def shape_between(self, start: float, end: float) -> Shape | None:
         scrapes = [s for s in self.since(start) if s.time <= end]
@@ -288,8 +301,11 @@ class Controller:
         plan = plan_switchback(spec, before.arrival_rate, before.attainment.value, gain, seed=did,
                                fleet=len(self.replicas))
         evidence: dict[str, Any] = {"before": before.as_dict(), "search": found.as_dict()}
-        run = CanaryRun(did, plan, spec, {k: current.get(k) for k in move}, move, trigger, evidence,
-                        (before.attaining, before.finished), self.replicas, dict(enumerate(generations)))
+        # the window before stands in for the applied config in the rollback rule only where it kept up: one whose
+        # queue grew was better than what follows it for the shorter queue, not for its config
+        reference = (before.attaining, before.finished) if before.kept_up else None
+        run = CanaryRun(did, plan, spec, {k: current.get(k) for k in move}, move, trigger, evidence, reference,
+                        self.replicas, dict(enumerate(generations)))
         try:
             run.switch(0, self.log, time.time())
         except ConfigRejected as error:

@@ -29,6 +29,9 @@ PROMPT_LENGTHS = "slotune_request_prompt_tokens"
 OUTPUT_LENGTHS = "slotune_request_generation_tokens"
 
 
+MIN_QUEUE_GROWTH = 3  # requests: a window whose queue grew by fewer (or by under 10 % of its finished) kept up
+
+
 class CounterReset(ValueError):
     """A counter went down between two scrapes: the engine restarted; the window means nothing."""
 
@@ -126,6 +129,11 @@ class WindowStats:
     @property
     def attainment(self) -> Interval:
         return proportion_interval(self.attaining, self.finished)
+
+    @property
+    def kept_up(self) -> bool:
+        """Its queue did not grow: by fewer than MIN_QUEUE_GROWTH requests or 10 % of those that finished."""
+        return self.arrived - self.finished < max(MIN_QUEUE_GROWTH, 0.1 * self.finished)
 
     @property
     def arrival_rate(self) -> float:
