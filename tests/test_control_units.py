@@ -317,7 +317,7 @@ def test_at_a_rate_too_low_for_one_trigger_window_the_attainment_trigger_reaches
 
 def test_the_retune_workload_follows_the_live_length_histograms() -> None:
     from loadtest.workloads import open_workload
-    from tuner.control.candidates import length_ranges, live_workload
+    from tuner.control.candidates import live_workload
 
     bounds = tuple(float(b) for b in LENGTH_BUCKETS) + (math.inf,)
 
@@ -326,7 +326,7 @@ def test_the_retune_workload_follows_the_live_length_histograms() -> None:
 
     prompts = lengths({20: 30, 200: 10}, 30 * 16 + 10 * 150)  # 75 % short prompts, 25 % of 101-200 tokens
     outputs = lengths({50: 40}, 40 * 30)
-    assert length_ranges(prompts) == [(11, 20, 30.0), (101, 200, 10.0)]
+    assert prompts.ranges() == [(11, 20, 30.0), (101, 200, 10.0)]
     shape = Shape(seconds=60.0, requests=40, prompt_means=(), output_means=(), prefix_hit_rate=0.0,
                   prompt_lengths=prompts, output_lengths=outputs)
     spec = live_workload(shape)

@@ -19,7 +19,6 @@ from slotune.slo import SLO
 from policies import Policy, WorkloadSpec
 from tuner.control.guardrails import changed, move_policy, project, within
 from tuner.control.shape import Shape
-from tuner.control.window import Lengths
 from tuner.search.screening import COMPARED, sample_configs
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.trials.trial_runner import TrialOutcome
@@ -88,7 +87,7 @@ def live_workload(shape: Shape) -> WorkloadSpec:
     bucket and an output bucket that finished requests fell in, its lengths uniform within the buckets and its
     weight the product of the two buckets' counts (the histograms are marginals: prompt and output lengths are
     taken as independent). Without them (a source that only counts tokens): one class within +-50 % of the means."""
-    prompts, outputs = length_ranges(shape.prompt_lengths), length_ranges(shape.output_lengths)
+    prompts, outputs = shape.prompt_lengths.ranges(), shape.output_lengths.ranges()
     if prompts and outputs:
         total = sum(pc for _, _, pc in prompts) * sum(oc for _, _, oc in outputs)
         # weights in percent of the traffic (the mixed workload deals each block of sum(weights) requests exactly);
@@ -109,7 +108,7 @@ def live_workload(shape: Shape) -> WorkloadSpec:
 
 def longest_output(shape: Shape) -> float:
     """The longest output the rebuilt workload (:func:`live_workload`) can draw."""
-    outputs = length_ranges(shape.output_lengths)
+    outputs = shape.output_lengths.ranges()
     if outputs:
         return float(max(high for _, high, _ in outputs))
     mean = shape.mean_output
@@ -129,19 +128,6 @@ def judging_drain(slo: SLO, longest_output: float, request_timeout: float = Load
     else:
         bound = request_timeout
     return min(MAX_DRAIN_S, max(MIN_DRAIN_S, bound))
-
-
-def length_ranges(lengths: Lengths) -> list[tuple[int, int, float]]:
-    """(lowest, highest length, requests) of each bucket a histogram's window filled. A bucket spans from above the
-    previous bound to its own; the last (+Inf) one from above the highest bound to twice it."""
-    out = []
-    below = 0.0
-    for bound, count in zip(lengths.bounds, lengths.counts):
-        if count > 0:
-            high = bound if math.isfinite(bound) else 2 * max(below, 1.0)
-            out.append((int(below) + 1, max(int(below) + 1, int(high)), float(count)))
-        below = bound if math.isfinite(bound) else below
-    return out
 
 
 def refitted_model(steps: list[dict[str, Any]], block_size: int, profile: str | Path | None,

@@ -55,14 +55,8 @@ def cusum_threshold(k: float, looks: float) -> float:
 
 
 def log_lengths(lengths: Lengths) -> tuple[float, float, int]:
-    """(mean, variance, n) of the log length over a histogram's requests, each bucket at its geometric middle (the
-    +Inf bucket at twice the highest bound)."""
-    points, below = [], 0.0
-    for bound, count in zip(lengths.bounds, lengths.counts):
-        high = bound if math.isfinite(bound) else 2 * max(below, 1.0)
-        if count > 0:
-            points.append((0.5 * (math.log(below + 1) + math.log(max(high, below + 1))), count))
-        below = bound if math.isfinite(bound) else below
+    """(mean, variance, n) of the log length over a histogram's requests, each bucket at its geometric middle."""
+    points = [(0.5 * (math.log(low) + math.log(high)), count) for low, high, count in lengths.ranges()]
     n = sum(c for _, c in points)
     if n <= 0:
         return math.nan, math.nan, 0

@@ -63,6 +63,18 @@ class Lengths:
     def mean(self) -> float:
         return self.total / self.n if self.n else math.nan
 
+    def ranges(self) -> list[tuple[int, int, float]]:
+        """(lowest, highest length, requests) of each bucket that holds requests. A bucket spans from above the
+        previous bound to its own; the last (+Inf) one from above the highest bound to twice it."""
+        out = []
+        below = 0.0
+        for bound, count in zip(self.bounds, self.counts):
+            if count > 0:
+                high = bound if math.isfinite(bound) else 2 * max(below, 1.0)
+                out.append((int(below) + 1, max(int(below) + 1, int(high)), float(count)))
+            below = bound if math.isfinite(bound) else below
+        return out
+
     def __add__(self, other: Lengths) -> Lengths:
         """Two windows' lengths together (consecutive windows of one engine: the same buckets)."""
         if not other.bounds:
