@@ -190,20 +190,6 @@ def sign_flip_p_value(differences: Sequence[float], seed: int = 0) -> float:
     return float(np.mean(signs @ d >= observed))
 
 
-@dataclass(frozen=True)
-class Paired:
-    """The pairs' differences (candidate - applied share), their mean with a t interval, and the sign-flip
-    p-value of "no better"."""
-
-    differences: tuple[float, ...]
-    mean: Interval
-    p_value: float
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"differences": [round(x, 4) for x in self.differences], "mean": self.mean.as_dict(),
-                "p_value": round(self.p_value, 6), "test": "sign-flip (randomisation), one-sided"}
-
-
 def pair_differences(blocks: Sequence[Block], figure: str = "share") -> tuple[float, ...]:
     """Of each complete pair (both its blocks measured, every measured part with requests): the candidate's mean
     ``figure`` (``share``: attainment; ``service``: requests finished per second) minus the applied config's (on a
@@ -233,11 +219,6 @@ def mean_interval(d: Sequence[float], level: float) -> Interval:
     mean, sem = float(np.mean(d)), float(np.std(d, ddof=1) / math.sqrt(len(d)))
     half = t_quantile(1 - level, len(d) - 1) * sem
     return Interval(mean, max(-1.0, mean - half), min(1.0, mean + half), 1 - 2 * level, len(d))
-
-
-def paired(blocks: Sequence[Block], level: float) -> Paired:
-    d = pair_differences(blocks)
-    return Paired(d, mean_interval(d, level), sign_flip_p_value(d))
 
 
 @dataclass(frozen=True)
