@@ -33,6 +33,7 @@ import yaml
 
 from engine.cpu_info import cpu_name
 from loadtest.records import RequestRecord, read_records
+from loadtest.workloads import parse_mix
 from slotune.slo import SLO
 from loadtest.summary import attains
 from tuner.trials.engine_handle import ManagedEngine
@@ -58,6 +59,21 @@ POLICY: dict[str, Any] = {
 
 
 ARMS = ("default", "phase1_tuned", "controller")
+SHIFT_LOAD = 1.5  # --rate2 auto: phase two's rate over what the phase-one config finishes of its requests
+
+
+def calibrated_rate(mix: str, phase_one: dict[str, Any]) -> dict[str, Any]:
+    """Phase two's rate on this machine (``--rate2 auto``): SHIFT_LOAD times what the phase-one config finishes of
+    phase two's outputs with all its sequences busy, on a fresh engine; and what the policy's most sequences finish,
+    for the record (a machine where they finish too little more has no config that serves the shift)."""
+    output = max(c.output[1] for c in parse_mix(mix, ":".join("1" for _ in mix.split(","))))
+    most = int(POLICY["search_space"]["max_num_seqs"]["high"])
+    with ManagedEngine(knobs=phase_one) as handle:
+        few = handle.finishing_rate(int(phase_one["max_num_seqs"]), output)
+        handle.patch_config({"max_num_seqs": most, "max_num_batched_tokens": max(most, 64)})
+        many = handle.finishing_rate(most, output)
+    return {"rate2": round(SHIFT_LOAD * few, 3), "output_tokens": output, "phase_one_rps": round(few, 3),
+            "most_sequences": most, "most_sequences_rps": round(many, 3)}
 
 
 @dataclass
@@ -84,7 +100,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, out: Path, slo: SLO) -> dict[str
     controller = None
     try:
         if arm.controlled:
-            (out / "policy.yaml").write_text(yaml.safe_dump(POLICY))
+            (out / "policy.yaml").write_text(yaml.safe_dump(policy_for(slo)))
             (out / "controller.jsonl").unlink(missing_ok=True)  # a fresh controller, not one resumed from a rerun's log
             with open(out / "controller.err", "w") as err:
                 controller = subprocess.Popen(
@@ -92,7 +108,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, out: Path, slo: SLO) -> dict[str
                      engine.token, "--policy", str(out / "policy.yaml"), "--log", str(out / "controller.jsonl")],
                     cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
         phases = []
-        for i, (mix, rate) in enumerate(((args.mix, args.rate), (args.mix2 or args.mix, args.rate2 or 4 * args.rate))):
+        for i, (mix, rate) in enumerate(((args.mix, args.rate), (args.mix2 or args.mix, rate_two(args)))):
             started = time.time()
             summary = run_phase(handle.url, out / f"phase{i + 1}", mix, rate, args.phase_seconds, args.seed + i, slo)
             phases.append({"rate": rate, "mix": mix, "started": started, "summary": {
@@ -106,6 +122,14 @@ def run_arm(arm: Arm, args: argparse.Namespace, out: Path, slo: SLO) -> dict[str
         engine.stop()
     return {"arm": arm.name, "start_knobs": arm.knobs, "final_knobs": final, "phases": phases,
             **({"decisions": decisions(out / "controller.jsonl")} if arm.controlled else {})}
+
+
+def policy_for(slo: SLO) -> dict[str, Any]:
+    return {**POLICY, "slo": {"tbt_p99": f"{slo.tbt_p99}s", "ttft_p99": f"{slo.ttft_p99}s"}}
+
+
+def rate_two(args: argparse.Namespace) -> float:
+    return float(args.rate2) if args.rate2 else 4 * args.rate
 
 
 def decisions(log: Path) -> dict[str, Any]:
@@ -178,7 +202,7 @@ def plot(results: list[dict[str, Any]], out: Path, args: argparse.Namespace) -> 
     fig.add_vline(x=args.phase_seconds, line_dash="dot", line_color="#555")
     fig.update_layout(template="plotly_white", width=1100, height=500,
                       title=f"SLO attainment over time: phase 1 {args.rate:g} req/s ({args.mix}), phase 2 "
-                            f"{args.rate2 or 4 * args.rate:g} req/s ({args.mix2 or args.mix})",
+                            f"{rate_two(args):g} req/s ({args.mix2 or args.mix})",
                       xaxis_title="seconds (intended send time)", yaxis_title="attainment", yaxis_range=[0, 1.05])
     html = out / "controller_shift.html"
     fig.write_html(str(html), include_plotlyjs=True)
@@ -202,7 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="build/controller-shift")
     p.add_argument("--phase-seconds", type=float, default=300.0)
     p.add_argument("--rate", type=float, default=0.4, help="phase one's rate (req/s)")
-    p.add_argument("--rate2", type=float, default=None, help="phase two's rate (default: 4 x --rate)")
+    p.add_argument("--rate2", default=None, help="phase two's rate (req/s; default: 4 x --rate), or auto: "
+                   f"{SHIFT_LOAD:g} x what the phase-one config finishes of phase two's requests on this machine")
+    p.add_argument("--slo-p99-tbt", type=float, default=0.25, help="the SLO's p99 TBT target, seconds")
+    p.add_argument("--slo-p99-ttft", type=float, default=3.0, help="the SLO's p99 TTFT target, seconds")
     p.add_argument("--mix", default="short=16:24")
     p.add_argument("--mix2", default=None, help="phase two's mix (default: --mix), e.g. long=16:160: longer outputs "
                                                 "hold each sequence longer")
@@ -217,8 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    slo = SLO(tbt_p99=0.25, ttft_p99=3.0)
+    slo = SLO(tbt_p99=args.slo_p99_tbt, ttft_p99=args.slo_p99_ttft)
     phase_one = json.loads(args.phase1_config) if args.phase1_config else PHASE_ONE_CONFIG
+    calibration = None
+    if args.rate2 == "auto":
+        calibration = calibrated_rate(args.mix2 or args.mix, phase_one)
+        args.rate2 = calibration["rate2"]
+        print(f"phase two at {args.rate2} req/s: {calibration}", file=sys.stderr, flush=True)
     arms = [a for a in (Arm("default", {}), Arm("phase1_tuned", phase_one), Arm("controller", phase_one, controlled=True))
             if a.name in args.arms]
     started = time.time()
@@ -233,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"arm {arm.name} ...", file=sys.stderr, flush=True)
         results.append(run_arm(arm, args, out / arm.name, slo))
     report = {"cpu": cpu_name(), "machine": platform.machine(), "args": vars(args), "slo": slo.as_dict(),
-              "policy": POLICY, "wall_s": time.time() - started, "arms": results, **analyse(results, out, args, slo)}
+              "policy": policy_for(slo), "calibration": calibration, "wall_s": time.time() - started,
+              "arms": results, **analyse(results, out, args, slo)}
     (out / "controller_shift.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     png = plot(results, out, args)
     for v in report["verdicts"]:

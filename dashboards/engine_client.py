@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import metric_names as names
 from engine.knobs import KNOB_BY_NAME
 from tuner.trials.engine_metrics import SLOTUNE_SERIES, gauges_by_label, histogram_buckets  # the one reader
 
@@ -151,9 +152,9 @@ class LiveFeed:
         if config is not None:
             knobs, generation, source = dict(config.get("config") or {}), config.get("generation"), "admin"
         else:
-            gauges = gauges_by_label(text, "slotune_config_generation", "")
+            gauges = gauges_by_label(text, names.CONFIG_GENERATION, "")
             knobs = {k: KNOB_BY_NAME[k].from_number(v) if k in KNOB_BY_NAME else v
-                     for k, v in gauges_by_label(text, "slotune_knob", "name").items()}
+                     for k, v in gauges_by_label(text, names.KNOB, "name").items()}
             generation = int(gauges[""]) if "" in gauges else None
             source = "metrics"
         return LiveSnapshot(steps=steps, itl=itl, knobs=knobs, generation=generation, knobs_source=source,

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from engine import metric_names as names
 from engine.knobs import KNOB_BY_NAME, KNOBS
 from engine.snapshot import EngineSnapshot
 from engine.step_record import StepRecord
@@ -65,36 +66,36 @@ class _SnapshotCollector(Collector):
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(name, doc, value=value)
 
-        yield gauge("slotune_num_requests_running", "Requests in the running set.", s.num_running)
-        yield gauge("slotune_num_requests_waiting", "Requests waiting for their first admission.", s.num_waiting)
-        yield gauge("slotune_num_requests_preempted", "Requests preempted and waiting to resume.", s.num_preempted)
-        yield gauge("slotune_kv_cache_usage_ratio", "Share of KV blocks in use (0..1).", s.kv_cache_usage)
-        yield gauge("slotune_kv_cache_blocks_used", "KV blocks in use.", s.kv_blocks_used)
-        yield gauge("slotune_kv_cache_blocks_free", "KV blocks free (including evictable cached ones).",
+        yield gauge(names.RUNNING, "Requests in the running set.", s.num_running)
+        yield gauge(names.WAITING, "Requests waiting for their first admission.", s.num_waiting)
+        yield gauge(names.PREEMPTED, "Requests preempted and waiting to resume.", s.num_preempted)
+        yield gauge(names.KV_CACHE_USAGE, "Share of KV blocks in use (0..1).", s.kv_cache_usage)
+        yield gauge(names.KV_BLOCKS_USED, "KV blocks in use.", s.kv_blocks_used)
+        yield gauge(names.KV_BLOCKS_FREE, "KV blocks free (including evictable cached ones).",
                     s.kv_blocks_free)
-        yield counter("slotune_preemptions", "Preemptions since start.", s.preemptions)
-        yield counter("slotune_prompt_tokens", "Prompt tokens of requests that produced a first token.",
+        yield counter(names.PREEMPTIONS, "Preemptions since start.", s.preemptions)
+        yield counter(names.PROMPT_TOKENS, "Prompt tokens of requests that produced a first token.",
                       s.prompt_tokens)
-        yield counter("slotune_generation_tokens", "Generated tokens.", s.generation_tokens)
-        yield counter("slotune_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+        yield counter(names.GENERATION_TOKENS, "Generated tokens.", s.generation_tokens)
+        yield counter(names.PREFIX_QUERIES, "Prompt tokens looked up in the prefix cache.",
                       s.prefix_cache_queries)
-        yield counter("slotune_prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
-        finished = CounterMetricFamily("slotune_request_success", "Finished requests by reason (stop, length, "
+        yield counter(names.PREFIX_HITS, "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        finished = CounterMetricFamily(names.REQUEST_SUCCESS, "Finished requests by reason (stop, length, "
                                        "abort).", labels=["finished_reason"])
         for reason in sorted(set(s.requests_finished) | {"stop", "length", "abort"}):
             finished.add_metric([reason], s.requests_finished.get(reason, 0))
         yield finished
-        yield gauge("slotune_config_generation", "Generation number of the applied engine config.",
+        yield gauge(names.CONFIG_GENERATION, "Generation number of the applied engine config.",
                     s.config.generation)
-        knobs = GaugeMetricFamily("slotune_knob", KNOB_GAUGE_HELP, labels=["name"])
+        knobs = GaugeMetricFamily(names.KNOB, KNOB_GAUGE_HELP, labels=["name"])
         for name, value in knob_values(s).items():
             knobs.add_metric([name], value)
         yield knobs
-        yield counter("slotune_config_lease_reverts", "Leased configs the engine reverted by itself (not "
+        yield counter(names.LEASE_REVERTS, "Leased configs the engine reverted by itself (not "
                       "confirmed in time).", s.lease_reverts)
-        yield gauge("slotune_config_lease_pending", "1 while an applied config waits for its confirmation.",
+        yield gauge(names.LEASE_PENDING, "1 while an applied config waits for its confirmation.",
                     1.0 if s.lease is not None else 0.0)
-        yield gauge("slotune_max_model_len", "Longest prompt + output a request may have.", s.max_model_len)
+        yield gauge(names.MAX_MODEL_LEN, "Longest prompt + output a request may have.", s.max_model_len)
 
 
 class ServerMetrics:
@@ -106,31 +107,31 @@ class ServerMetrics:
         def latency(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=r)
 
-        self.ttft = latency("slotune_time_to_first_token_seconds",
+        self.ttft = latency(names.TTFT,
                             "Arrival of the HTTP request to its first generated token.")
-        self.itl = latency("slotune_inter_token_latency_seconds",
+        self.itl = latency(names.INTER_TOKEN_LATENCY,
                            "Gap between two consecutive generated tokens of one request.")
-        self.e2e = latency("slotune_e2e_request_latency_seconds",
+        self.e2e = latency(names.E2E,
                            "Arrival to the last token, for requests finished on stop or length.")
-        self.request_itl_p99 = latency("slotune_request_itl_p99_seconds",
+        self.request_itl_p99 = latency(names.REQUEST_ITL_P99,
                                        "The 99th percentile of one finished request's own inter-token gaps (0 "
                                        "with fewer than two tokens): the share at or below a TBT target is the "
                                        "requests' TBT attainment.")
-        self.request_prompt_tokens = Histogram("slotune_request_prompt_tokens", "Prompt tokens of one finished "
+        self.request_prompt_tokens = Histogram(names.REQUEST_PROMPT_TOKENS, "Prompt tokens of one finished "
                                                "request (stop or length).", buckets=LENGTH_BUCKETS, registry=r)
-        self.request_generation_tokens = Histogram("slotune_request_generation_tokens", "Generated tokens of one "
+        self.request_generation_tokens = Histogram(names.REQUEST_GENERATION_TOKENS, "Generated tokens of one "
                                                    "finished request (stop or length).", buckets=LENGTH_BUCKETS,
                                                    registry=r)
-        self.queue_time = latency("slotune_request_queue_time_seconds",
+        self.queue_time = latency(names.QUEUE_TIME,
                                   "Arrival to the start of the step that first scheduled the request.")
-        self.step_duration = latency("slotune_step_duration_seconds", "Wall time of one engine step.")
-        self.step_tokens = Histogram("slotune_step_tokens", "Tokens one step computed, by phase (a step without "
+        self.step_duration = latency(names.STEP_DURATION, "Wall time of one engine step.")
+        self.step_tokens = Histogram(names.STEP_TOKENS, "Tokens one step computed, by phase (a step without "
                                      "tokens of a phase is not counted for it).", ["phase"],
                                      buckets=TOKEN_BUCKETS, registry=r)
         self._prefill_tokens = self.step_tokens.labels(phase="prefill")
         self._decode_tokens = self.step_tokens.labels(phase="decode")
-        self.config_changes = Counter("slotune_config_updates", "Live config updates applied.", registry=r)
-        self.http_responses = Counter("slotune_http_responses", "HTTP responses by path and status code.",
+        self.config_changes = Counter(names.CONFIG_UPDATES, "Live config updates applied.", registry=r)
+        self.http_responses = Counter(names.HTTP_RESPONSES, "HTTP responses by path and status code.",
                                       ["path", "code"], registry=r)
 
     def export_snapshots(self, snapshot: Callable[[], EngineSnapshot]) -> None:

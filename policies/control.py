@@ -40,7 +40,9 @@ class Guardrails:
     bounds: dict[str, tuple[float, float]] = field(default_factory=dict)  # knob -> (low, high), within search_space
     max_change: dict[str, float] = field(default_factory=dict)  # knob -> largest factor per move (new/old, >= 1)
     default_max_change: float = 2.0  # for numeric knobs not in max_change
-    frozen: tuple[str, ...] = ()  # knobs the controller never touches
+    # knobs the controller never touches: a block_size change relays out the KV cache (every running sequence
+    # recomputed) at each switch of a canary's blocks
+    frozen: tuple[str, ...] = ("block_size",)
     cooldown: float = 60.0  # seconds between the end of one move (kept or rolled back) and the next canary
 
     def change_limit(self, knob: str) -> float:
@@ -157,7 +159,7 @@ class GuardrailsDoc(SectionDoc):
     bounds: Annotated[dict[str, BoundDoc], BeforeValidator(_names_are_strings)] = {}
     max_change: Annotated[dict[str, Annotated[float, Field(gt=1)]], BeforeValidator(_names_are_strings)] = {}
     default_max_change: float = Field(Guardrails.default_max_change, gt=1)
-    frozen: Annotated[list[str], BeforeValidator(_none_is_empty)] = []
+    frozen: Annotated[list[str], BeforeValidator(_none_is_empty)] = list(Guardrails.frozen)
     cooldown: Duration = Guardrails.cooldown
 
     @model_validator(mode="after")
@@ -176,14 +178,20 @@ class GuardrailsDoc(SectionDoc):
             if k not in knob_names:
                 raise At(f"max_change.{k}", "unknown knob")
             if k in self.frozen:
-                raise At(f"max_change.{k}", "contradicts guardrails.frozen: a frozen knob never changes")
+                raise At(f"max_change.{k}", f"contradicts guardrails.frozen: a frozen knob never changes{self._unfreeze(k)}")
         return self
+
+    @staticmethod
+    def _unfreeze(k: str) -> str:
+        return f" ({k} is frozen by default: list in guardrails.frozen only the knobs to hold, e.g. [], to let it " \
+               f"move)" if k in Guardrails.frozen else ""
 
     def _check_bound(self, k: str, bound: BoundDoc, space: dict[str, KnobRange]) -> None:
         if k not in space:
             raise At(f"bounds.{k}", "is not a searched knob (search_space names the knobs that may move)")
         if k in self.frozen:
-            raise At(f"bounds.{k}", "contradicts guardrails.frozen: a frozen knob has no bounds to move in")
+            raise At(f"bounds.{k}", f"contradicts guardrails.frozen: a frozen knob has no bounds to move in"
+                                    f"{self._unfreeze(k)}")
         searched = space[k]
         if not searched.overlaps(bound.low, bound.high):
             shown = str(list(searched.choices)) if searched.choices is not None else \

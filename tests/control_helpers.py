@@ -26,7 +26,7 @@ BASE_POLICY: dict[str, Any] = {
                      "chunk_size": {"choices": [8, 16, 32, 64, 128]},
                      "block_size": {"choices": [8, 16, 32]}},
     "constraints": ["chunk_size <= max_num_batched_tokens", "max_num_seqs <= max_num_batched_tokens"],
-    "guardrails": {"default_max_change": 8, "cooldown": "3s"},
+    "guardrails": {"default_max_change": 8, "cooldown": "3s", "frozen": []},
     "triggers": {"attainment_target": 0.9, "window": "10s", "min_requests": 8, "drift_window": "10s"},
     # 4 s blocks, 3 s of each measured; level 0.1: at least five pairs (40 s), at most seven
     "canary": {"block": "4s", "settle": "1s", "level": 0.1, "max_window": "60s", "lease_margin": "5s",
@@ -109,3 +109,11 @@ def stop(process: subprocess.Popen[bytes], timeout: float = 30) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(10)
+
+
+def patch_config(engine_url: str, knobs: dict[str, Any]) -> dict[str, Any]:
+    """PATCH the engine's knobs, unleased (it ends any lease)."""
+    r = httpx.patch(engine_url + "/admin/config", headers=AUTH, json=knobs, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+

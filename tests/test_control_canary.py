@@ -155,3 +155,48 @@ def test_behind_a_backlog_a_config_that_finishes_more_is_kept_and_one_no_faster_
     assert at_most(same / draws, SPEC.level / 2, draws)
     faster = sum(backlogged_canary(rng, 1.0, 2.0, i) == "keep drains" for i in range(60))  # twice as fast
     assert faster >= 50
+
+
+def test_a_block_settles_for_as_long_as_a_request_runs_and_the_lease_covers_two_blocks() -> None:
+    spec = Canary(block=20.0, settle=5.0, max_window=600.0, lease_margin=30.0)
+    quick = plan_switchback(spec, 1.0, 0.8, 0.1, seed=1, service_s=2.0)
+    slow = plan_switchback(spec, 1.0, 0.8, 0.1, seed=1, service_s=12.0)
+    assert (quick.settle_s, quick.block_s, quick.lease_s) == (5.0, 20.0, 70.0)
+    # requests that run 12 s: 12 s unmeasured, then the same 15 s measured; fewer pairs fit the longest window
+    assert (slow.settle_s, slow.block_s, slow.lease_s) == (12.0, 27.0, 84.0)
+    assert slow.most_pairs == int(600 // 54) < quick.most_pairs
+    # the window's own service time: its outputs' mean times the mean gap between tokens
+    stats_ = WindowStats(0.0, 15.0, 4, 4, 4, 0.05, 0, 200, 0, 0, (1, 1), mean_gap=0.08)
+    assert stats_.service_s == pytest.approx(50 * 0.08)
+
+
+def queue_canary(rng: np.random.Generator, spec: Canary, gain: float, seed: int) -> tuple[str, int]:
+    """A canary planned behind a queue for 0.3 req/s more finished: each block finishes Poisson((1 + gain if the
+    candidate) x 15 s) requests, none within the SLO; a candidate's block empties the queue half the time (not
+    backlogged). Its outcome and the blocks it took."""
+    plan = plan_switchback(spec, 1.0, 0.0, 0.0, seed, service_gain=0.3)
+    blocks: list[Block] = []
+    for i in range(2 * plan.most_pairs):
+        arm = plan.arm(i)
+        n = int(rng.poisson((1.0 + (gain if arm == "candidate" else 0.0)) * 15.0))
+        waited = arm == "applied" or rng.random() < 0.5
+        blocks.append(Block(i, arm, 0, max(n, 1), n, n, 1, 0, 15.0, backlogged=waited))
+        verdict = judge_switchback(blocks, plan, spec)
+        if verdict.action != "continue":
+            return verdict.action + (" drains" if "drains" in verdict.reason else ""), i + 1
+    raise AssertionError("the canary outlived its longest window")
+
+
+def test_behind_a_queue_the_plan_holds_the_pairs_the_service_route_needs() -> None:
+    """Behind a queue no block attains, so only the service route can keep; the plan is sized for it, and the
+    blocks a candidate emptied the queue in count (they are where it shows)."""
+    spec = Canary(block=20.0, settle=5.0, level=0.05, max_window=3600.0)
+    assert plan_switchback(spec, 1.0, 0.0, 0.0, 3, service_gain=0.3).pairs > plan_switchback(spec, 1.0, 0.0, 0.0, 3).pairs
+    rng = np.random.default_rng(17)
+    draws = 300
+    kept = [queue_canary(rng, spec, 0.3, i) for i in range(draws)]
+    planned = plan_switchback(spec, 1.0, 0.0, 0.0, 0, service_gain=0.3).pairs
+    # the plan's power (0.8) at the gain it was sized for, with the design effect's room to spare
+    assert sum(k == "keep drains" and blocks <= 2 * planned for k, blocks in kept) >= 0.8 * draws
+    same = sum(queue_canary(rng, spec, 0.0, i)[0] == "keep drains" for i in range(draws))
+    assert at_most(same / draws, spec.level / 2, draws)

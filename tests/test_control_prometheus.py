@@ -94,6 +94,9 @@ def test_both_sources_give_the_same_series_and_windows(engine: SubprocessServer,
     assert (w_prom.output_lengths.n, w_prom.output_lengths.total) == (5, 30)
     assert w_prom.prompt_lengths.as_dict()["buckets"] == {"20": 5} and w_prom.output_lengths.as_dict()["buckets"] == \
         {"10": 5}
+    # how long a request runs (a switchback block settles for that long): its outputs times the mean gap
+    assert w_prom.mean_gap == w_direct.mean_gap and 0 < w_prom.mean_gap < 5.0
+    assert w_prom.service_s == pytest.approx(6 * w_prom.mean_gap)
 
 
 def test_an_unreachable_prometheus_is_reported(tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ def test_the_shipped_policy_has_the_controller_sections() -> None:
     control = load_policy().control
     assert control.triggers.attainment_target == 0.9 and control.canary.lease_s == 2 * control.canary.block + \
         control.canary.lease_margin
-    assert control.guardrails.frozen == () and control.guardrails.cooldown > 0
+    assert control.guardrails.frozen == ("block_size",) and control.guardrails.cooldown > 0
 
 
 @pytest.mark.parametrize("sections, field", [
@@ -74,8 +74,10 @@ def test_contradictory_or_bad_controller_fields_name_the_field(sections: dict[st
      ">= 0"),
     ({"guardrails": {"bounds": {"max_num_seqs": {"low": "two", "high": 8}}}}, "guardrails.bounds.max_num_seqs.low",
      "number"),
-    ({"guardrails": {"bounds": {"block_size": {"low": 9, "high": 15}}}}, "guardrails.bounds.block_size",
+    ({"guardrails": {"bounds": {"block_size": {"low": 9, "high": 15}}, "frozen": []}}, "guardrails.bounds.block_size",
      "leaves no value"),
+    ({"guardrails": {"bounds": {"block_size": {"low": 8, "high": 16}}}}, "guardrails.bounds.block_size",
+     "frozen by default"),
     ({"guardrails": {"bounds": "max_num_seqs"}}, "guardrails.bounds", "mapping"),
     ({"guardrails": {"frozen": "block_size"}}, "guardrails.frozen", "list"),
     ({"guardrails": {"frozen": ["block_size", "blocks"]}}, "guardrails.frozen[1]", "unknown knob"),
@@ -145,7 +147,8 @@ def test_controller_sections_parse_to_their_values() -> None:
 def test_empty_controller_sections_are_the_defaults() -> None:
     empty = policy_with(guardrails=None, triggers={}, canary=None, retune={}).control
     assert empty == ControlSpec()
-    assert empty.guardrails.bounds == {} and empty.guardrails.frozen == () and empty.triggers.schedule is None
+    assert empty.guardrails.bounds == {} and empty.guardrails.frozen == ("block_size",)
+    assert empty.triggers.schedule is None and policy_with(guardrails={}).control.guardrails == empty.guardrails
     assert empty.guardrails.cooldown == 60.0 and empty.canary.lease_s == 70.0 and empty.retune.candidates == 48
 
 

@@ -14,6 +14,7 @@ import openai
 import pytest
 from server_helpers import InProcessServer, delta, metric, scrape, stream_completion
 
+from engine import metric_names
 from engine.metrics import LENGTH_BUCKETS
 
 PROMPT = "The capital of France is"
@@ -236,6 +237,10 @@ def test_metrics_agree_with_what_was_sent(server: InProcessServer) -> None:
     assert metric(after, "slotune_kv_cache_usage_ratio") == 0
     assert metric(after, "slotune_knob", name="block_size") == server.engine.config.block_size
     assert metric(after, "slotune_config_generation") == server.engine.config.generation
+    # every name the readers take from the engine's table is a series the engine exports
+    exported = {key[0] for key in after}
+    for name in (v for k, v in vars(metric_names).items() if k.isupper() and isinstance(v, str)):
+        assert any(e == name or e.startswith(name + "_") for e in exported), name
 
 
 async def _post_json(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> dict[str, Any]:

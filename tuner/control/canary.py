@@ -9,12 +9,12 @@ blocks' (the replicas' own differences cancel). The first ``canary.settle`` seco
 (requests of the config before are still finishing); the rest gives the block's attainment. The decision to keep
 rests on the pairs' differences (candidate minus applied) alone:
 
-- **one look, one budget**: the candidate is kept only when every planned pair is in and the sign-flip
-  (randomisation) test of the mean difference rejects "no better" at ``canary.level`` (one-sided). The order within
-  each pair was drawn at random, so under "the candidate makes no difference" each pair's sign is a fair coin
-  whatever the traffic did: bursts that make a block's requests miss together, a trend, a shift in mid-canary, the
-  window that fired the trigger. The test is exact at its level for any such traffic, and no earlier look spends
-  from it.
+- **one budget**: the candidate is kept only when every planned pair is in and the sign-flip (randomisation) test
+  of the mean difference rejects "no better" at ``canary.level`` (one-sided). The order within each pair was drawn
+  at random, so under "the candidate makes no difference" each pair's sign is a fair coin whatever the traffic did:
+  bursts that make a block's requests miss together, a trend, a shift in mid-canary, the window that fired the
+  trigger. The test is exact at its level for any such traffic. Where the plan grows (below), it looks twice, at
+  the planned pairs and at the end, each at half the level.
 - **a rollback may come at any look**: attainment of the candidate's blocks pooled against the applied config's,
   or against the window before the canary, fallen by more than ``canary.rollback_drop`` beyond the noise. A
   rollback never keeps, so these looks cost the false-keep rate nothing (they cost power, which the sizing leaves
@@ -23,7 +23,8 @@ rests on the pairs' differences (candidate minus applied) alone:
   ``canary.min_effect``): enough requests per block and pairs for ``canary.power``, at least the pairs a sign-flip
   test needs to reach its level at all, at most what ``canary.max_window`` holds (the log then states the power
   left). As pairs come in, the plan grows when their differences spread more than it assumed: the sizing reads
-  their squares only, which do not depend on the signs, so the test stays exact.
+  their squares only, which do not depend on the signs, so the test stays exact. A large gain spreads them too
+  (a square holds the gain as well as the noise), which is why the planned pairs get a look of their own.
 """
 
 from __future__ import annotations
@@ -65,10 +66,17 @@ class SwitchbackPlan:
     baseline: float  # the applied config's attainment the sizing assumed
     rate: float  # requests/s the sizing assumed (over the fleet)
     replicas: tuple[int, ...] = (0,)  # one engine, or the two replicas of a fleet that trade the candidate
+    lease_margin: float = 30.0
 
     @property
     def seconds(self) -> float:
         return 2 * self.pairs * self.block_s
+
+    @property
+    def lease_s(self) -> float:
+        """The candidate's lease from its PATCH: it may run two blocks in a row (a pair's second and the next
+        pair's first), then the margin."""
+        return 2 * self.block_s + self.lease_margin
 
     def arm(self, block: int) -> str:
         """Which config block ``block`` (0-based) runs (on a fleet: on the first of the two replicas)."""
@@ -87,7 +95,7 @@ class SwitchbackPlan:
         return {"pairs": self.pairs, "most_pairs": self.most_pairs, "block_s": self.block_s, "settle_s": self.settle_s,
                 "candidate_first": list(self.candidate_first),
                 "effect": round(self.effect, 4), "power": round(self.power, 4), "baseline": round(self.baseline, 4),
-                "rate": round(self.rate, 4), "replicas": list(self.replicas)}
+                "rate": round(self.rate, 4), "replicas": list(self.replicas), "lease_s": self.lease_s}
 
 
 def pair_variance(baseline: float, effect: float, per_block: float) -> float:
@@ -109,25 +117,47 @@ def power_of(pairs: int, effect: float, variance: float, level: float) -> float:
     return NORMAL.cdf(z - NORMAL.inv_cdf(1 - level))
 
 
+def settle_time(spec: Canary, service_s: float) -> float:
+    """The unmeasured start of a block: ``canary.settle``, or longer when a request runs longer than that from its
+    first token to its last (``service_s``, the longer of the two configs'): until then the block's finishes are
+    mostly requests the config before admitted."""
+    return max(spec.settle, service_s) if math.isfinite(service_s) else spec.settle
+
+
+def service_pairs(spec: Canary, rate: float, service_gain: float, measured_s: float, fleet: int) -> int:
+    """The pairs the service route needs for ``spec.power`` to detect ``service_gain`` more requests finished per
+    second, each block's finishes counted over ``measured_s`` seconds (about Poisson, inflated by the design
+    effect: requests admitted together finish together); 0 without a predicted gain."""
+    if not (math.isfinite(service_gain) and service_gain > 0 and math.isfinite(rate) and measured_s > 0):
+        return 0
+    variance = DESIGN_EFFECT * (2 * rate / fleet + service_gain) / measured_s * (0.5 if fleet > 1 else 1.0)
+    return math.ceil(z_sum(spec) ** 2 * variance / service_gain ** 2)
+
+
 def plan_switchback(spec: Canary, rate: float, baseline: float, predicted_gain: float, seed: int,
-                    fleet: int = 1) -> SwitchbackPlan:
+                    fleet: int = 1, service_s: float = math.nan, service_gain: float = math.nan) -> SwitchbackPlan:
     """Pairs for ``spec.power`` to detect the larger of the predicted gain and ``spec.min_effect`` at ``rate``
     requests/s from a baseline attainment ``baseline``; the order within each pair from ``seed``. On a ``fleet`` of
     replicas sharing the traffic, two of them (drawn from ``seed``) trade the candidate: each block measures both
-    configs at once, on a replica's share of the rate."""
+    configs at once, on a replica's share of the rate. A block measures ``canary.block - canary.settle`` seconds
+    after its settling time (:func:`settle_time`). Behind a queue (``service_gain``: the requests/s more the
+    candidate is predicted to finish) the plan holds the pairs the service route needs too."""
     baseline = baseline if math.isfinite(baseline) else 0.5  # a window with no finished request: the widest share
     effect = max(spec.min_effect, min(predicted_gain if math.isfinite(predicted_gain) else 0.0, 1.0 - baseline))
-    per_block = (rate if math.isfinite(rate) else 0.0) / fleet * (spec.block - spec.settle)
+    settle = settle_time(spec, service_s)
+    block = settle + spec.block - spec.settle
+    per_block = (rate if math.isfinite(rate) else 0.0) / fleet * (block - settle)
     # a fleet's pair difference averages two concurrent differences: half a switchback pair's variance
     variance = pair_variance(baseline, effect, per_block) * (0.5 if fleet > 1 else 1.0)
-    wanted = math.ceil(z_sum(spec) ** 2 * variance / (effect * effect))
-    most = int(spec.max_window // (2 * spec.block))
+    wanted = max(math.ceil(z_sum(spec) ** 2 * variance / (effect * effect)),
+                 service_pairs(spec, rate, service_gain, block - settle, fleet))
+    most = int(spec.max_window // (2 * block))
     pairs = min(max(wanted, min_pairs(spec.level)), most)
     order = random.Random(seed)
     replicas = tuple(order.sample(range(fleet), 2)) if fleet > 1 else (0,)
-    return SwitchbackPlan(pairs, most, spec.block, spec.settle, tuple(order.random() < 0.5 for _ in range(most)),
+    return SwitchbackPlan(pairs, most, block, settle, tuple(order.random() < 0.5 for _ in range(most)),
                           effect, power_of(pairs, effect, variance, spec.level / KEEP_ROUTES), baseline, rate,
-                          replicas)
+                          replicas, spec.lease_margin)
 
 
 def pairs_needed(differences: Sequence[float], plan: SwitchbackPlan, spec: Canary) -> int:
@@ -253,31 +283,41 @@ def judge_switchback(blocks: Sequence[Block], plan: SwitchbackPlan, spec: Canary
                                              f"{drop.format(scale=100, unit=' pp')}, more than canary.rollback_drop "
                                              f"({spec.rollback_drop:.0%}) beyond the noise", drop)
     d = pair_differences(blocks)
+    done = len({b.index for b in blocks})
     needed = pairs_needed(d, plan, spec)
     mean = mean_interval(d, spec.level)
     shown = f"{mean.format(scale=100, unit=' pp')} over {len(d)} pairs"
-    done = len({b.index for b in blocks})
-    if done < 2 * needed:
+    at_plan = done == 2 * plan.pairs and needed > plan.pairs
+    if done < 2 * needed and not at_plan:
         return CanaryVerdict("continue", f"{done} of {2 * needed} blocks, difference {shown}", mean)
-    level = spec.level / KEEP_ROUTES
+    # Where the plan grows, the keep tests look twice (at the planned pairs and at the end), each at half the
+    # level: a candidate whose large gain spreads its differences (their squares grow with the gain) is kept
+    # at the plan instead of running to max_window. Whether the plan grows is read from the squares, which do not
+    # depend on the signs, so under "no difference" the looks together keep at most at the level.
+    level = spec.level / KEEP_ROUTES / (2 if needed > plan.pairs else 1)
     p_value = sign_flip_p_value(d)
     if p_value <= level:
         return CanaryVerdict("keep", f"better than the applied config in the same traffic: attainment {shown}, "
-                                     f"sign-flip p = {p_value:.3g} <= {level:g} (canary.level over its two routes)",
-                             mean)
+                                     f"sign-flip p = {p_value:.3g} <= {level:g} (canary.level over its routes and "
+                                     "looks)", mean)
     faster = drains(blocks, level)
     if faster is not None:
         return CanaryVerdict("keep", faster, mean)
+    if at_plan:
+        return CanaryVerdict("continue", f"{done} of {2 * needed} blocks (the differences spread more than planned), "
+                                         f"difference {shown}, sign-flip p = {p_value:.3g} > {level:g}", mean)
     return CanaryVerdict("rollback", f"no gain shown over {len(d)} pairs (sized for +{plan.effect:.0%}): attainment "
                                      f"{shown}, sign-flip p = {p_value:.3g} > {level:g}; no faster service shown "
                                      "while backlogged", mean)
 
 
 def drains(blocks: Sequence[Block], level: float) -> str | None:
-    """The second route: behind a backlog (requests waiting at both ends of every measured part) no config attains,
-    and the one that finishes more requests per second drains the queue. Why it is kept, when its service rate is
-    higher by the sign-flip test at ``level`` and its attainment no lower; else None."""
-    if not blocks or not all(b.backlogged for b in blocks):
+    """The second route: behind a backlog (requests waiting at both ends of a measured part) no config attains, and
+    the one that finishes more requests per second drains the queue. Why it is kept, when its service rate over all
+    the pairs is higher by the sign-flip test at ``level`` and its attainment no lower; else None. (The pairs a
+    candidate emptied the queue in count too: they are where it shows. Whether any block waited does not depend
+    on which config ran it when the configs make no difference, so the test stays exact.)"""
+    if not any(b.backlogged for b in blocks):
         return None
     d = pair_differences(blocks, "service")
     p_value = sign_flip_p_value(d)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import metric_names as names
 from policies.control import Canary
 from slotune.slo import SLO
 from tuner.control.canary import Block, CanaryVerdict, SwitchbackPlan, judge_switchback
@@ -43,7 +44,7 @@ def judged_block(index: int, arm: str, stats: WindowStats | None, generation: in
 
 
 def waiting(scrape: Scrape | None) -> bool:
-    return scrape is not None and scrape.get("slotune_num_requests_waiting") > 0
+    return scrape is not None and scrape.get(names.WAITING) > 0
 
 
 @dataclass
@@ -92,7 +93,7 @@ class CanaryRun:
         for r, arm in self.plan.assignment(block).items():
             replica = self.replicas[r]
             if arm != replica.arm:
-                lease = self.spec.lease_s if arm == "candidate" else None
+                lease = self.plan.lease_s if arm == "candidate" else None
                 applied = replica.engine.apply(self.move if arm == "candidate" else self.kept_knobs, lease_s=lease)
                 replica.generation, replica.arm = int(applied["generation"]), arm
                 if lease is not None:
@@ -110,7 +111,7 @@ class CanaryRun:
         views = scrape.replicas or (scrape,)
         into = scrape.time - self.block_started
         for r, replica in self.replicas.items():
-            generation = int(views[r].get("slotune_config_generation"))
+            generation = int(views[r].get(names.CONFIG_GENERATION))
             if generation != replica.generation:
                 return Ending("abandoned", f"replica {r} left the canary's generation {replica.generation} (now "
                                            f"{generation}): a lease expired or someone else changed the config",
@@ -173,7 +174,7 @@ class CanaryRun:
         except EngineError as error:
             leased = any(s.arm == "candidate" for s in self.replicas.values())
             deadline = self.lease_until if leased and self.lease_until else (self.final_since or now) + \
-                self.spec.lease_s
+                self.plan.lease_s
             if now < deadline:
                 return None
             if keep:

@@ -19,7 +19,8 @@ from slotune.slo import SLO
 from policies import Policy, WorkloadSpec
 from tuner.control.guardrails import changed, move_policy, project, within
 from tuner.control.shape import Shape
-from tuner.search.screening import COMPARED, sample_configs
+from tuner.search.screening import COMPARED, load_profile, sample_configs
+from tuner.simulation.profiles import limits_of
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.trials.trial_runner import TrialOutcome
 
@@ -134,8 +135,6 @@ def refitted_model(steps: list[dict[str, Any]], block_size: int, profile: str | 
                    dtype: str | None = None) -> Any:
     """The given step-time profile (else the one shipped for the engine's ``dtype``) rescaled to the engine's recent
     step records (unchanged when there are too few of them)."""
-    from tuner.search.screening import load_profile
-
     model = load_profile(profile, dtype)
     tagged = [{**s, "block_size": block_size} for s in steps]
     return model.rescaled(tagged, block_size) or model
@@ -210,8 +209,6 @@ def search(policy: Policy, current: dict[str, Any], resolved: dict[str, Any], sh
     (the best of many noisy draws is biased up): it moves only when ``retune.draws`` fresh draws of it and the
     applied config, on common arrivals, confirm its edge beyond their spread. A move in ``rolled_back`` is not
     screened again."""
-    from tuner.simulation.profiles import limits_of
-
     retune = policy.control.retune
     model = refitted_model(steps, int(resolved.get("block_size") or 16), profile, dtype)
     workload = live_workload(shape)

@@ -9,6 +9,7 @@ config by itself.
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 import time
 from collections import deque
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import metric_names as names
 from slotune.slo import SLO
 from policies import Policy
 from tuner.control.canary import plan_switchback
@@ -37,7 +39,15 @@ WINDOW_COVER = 0.8  # a trigger window must span at least this share of its leng
 
 def queued(scrape: Scrape) -> int:
     """Requests in the engine (running, waiting or preempted) at a scrape."""
-    return round(sum(scrape.get(f"slotune_num_requests_{q}") for q in ("running", "waiting", "preempted")))
+    return round(sum(scrape.get(q) for q in names.QUEUES))
+
+
+def service_time(before: WindowStats, found: Search) -> float:
+    """How long a request runs from its first token to its last, under the applied config (measured in the window
+    before) or the candidate (its predicted mean gap times the same outputs), the longer: a switchback block settles
+    for that long."""
+    predicted = found.candidate.figure("tbt_mean", math.nan) * before.mean_output if found.candidate else math.nan
+    return max((t for t in (before.service_s, predicted) if math.isfinite(t)), default=math.nan)
 
 
 @dataclass
@@ -136,9 +146,9 @@ class Controller:
         for s in reversed(self.history):
             if s.time < start:
                 break
-            if out and (s.get("slotune_config_generation") != out[-1].get("slotune_config_generation")
-                        or s.get("slotune_request_itl_p99_seconds_count") >
-                        out[-1].get("slotune_request_itl_p99_seconds_count")):
+            if out and (s.get(names.CONFIG_GENERATION) != out[-1].get(names.CONFIG_GENERATION)
+                        or s.get(names.hist_count(names.REQUEST_ITL_P99)) >
+                        out[-1].get(names.hist_count(names.REQUEST_ITL_P99))):
                 break
             out.append(s)
         return out[::-1]
@@ -203,7 +213,7 @@ class Controller:
             return
         self.last_observation = scrape.time
         recent = self.recent_shape()
-        self.log.write("observation", generation=int(scrape.get("slotune_config_generation")),
+        self.log.write("observation", generation=int(scrape.get(names.CONFIG_GENERATION)),
                        knobs=knobs_of(scrape), attainment=stats.attainment.as_dict() if stats else None,
                        window=stats.as_dict() if stats else None, shape=recent.as_dict() if recent else None,
                        canary=self.canary.id if self.canary else None, mode=self.mode)
@@ -231,7 +241,7 @@ class Controller:
         """The best feasible configs of every study in the shared storage (a warm start for the screen)."""
         if not self.storage:
             return []
-        from tuner.control.warm_start import best_knobs
+        from tuner.control.warm_start import best_knobs  # sqlalchemy: heavy, only with a study storage
 
         knobs, problem = best_knobs(self.storage)
         if problem:
@@ -299,7 +309,9 @@ class Controller:
         gain = found.candidate.attainment - found.current.attainment if found.candidate and found.current.summary \
             else 0.0
         plan = plan_switchback(spec, before.arrival_rate, before.attainment.value, gain, seed=did,
-                               fleet=len(self.replicas))
+                               fleet=len(self.replicas), service_s=service_time(before, found),
+                               service_gain=math.nan if before.kept_up or not found.candidate else
+                               found.candidate.throughput - found.current.throughput)
         evidence: dict[str, Any] = {"before": before.as_dict(), "search": found.as_dict()}
         # the window before stands in for the applied config in the rollback rule only where it kept up: one whose
         # queue grew was better than what follows it for the shorter queue, not for its config
@@ -317,7 +329,7 @@ class Controller:
             return
         self.state.next_id = did + 1
         self.log.write("canary", id=did, kept_generations=generations, candidate=move, kept_knobs=run.kept_knobs,
-                       lease_s=spec.lease_s, lease_until=run.lease_until, plan=plan.as_dict(),
+                       lease_s=plan.lease_s, lease_until=run.lease_until, plan=plan.as_dict(),
                        replicas={r: {"url": s.engine.url, "arm": s.arm, "generation": s.generation}
                                  for r, s in run.replicas.items()}, trigger=trigger.as_dict(), **evidence)
         self.metrics.canary.set(1)

@@ -15,20 +15,22 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine import metric_names as names
+
 # The series the controller reads (counters carry prometheus_client's `_total` suffix).
-SERIES = ("slotune_request_itl_p99_seconds_bucket", "slotune_request_itl_p99_seconds_count",
-          "slotune_time_to_first_token_seconds_bucket", "slotune_time_to_first_token_seconds_count",
-          "slotune_request_success_total", "slotune_prompt_tokens_total", "slotune_generation_tokens_total",
-          "slotune_request_prompt_tokens_bucket", "slotune_request_prompt_tokens_sum",
-          "slotune_request_generation_tokens_bucket", "slotune_request_generation_tokens_sum",
-          "slotune_prefix_cache_queries_total", "slotune_prefix_cache_hits_total", "slotune_config_generation",
-          "slotune_knob", "slotune_config_lease_pending", "slotune_num_requests_running",
-          "slotune_num_requests_waiting", "slotune_num_requests_preempted")
+SERIES = (*(names.bucket(h) for h in (names.REQUEST_ITL_P99, names.TTFT, names.REQUEST_PROMPT_TOKENS,
+                                      names.REQUEST_GENERATION_TOKENS)),
+          *(names.hist_count(h) for h in (names.REQUEST_ITL_P99, names.TTFT, names.INTER_TOKEN_LATENCY)),
+          *(names.hist_sum(h) for h in (names.REQUEST_PROMPT_TOKENS, names.REQUEST_GENERATION_TOKENS,
+                                        names.INTER_TOKEN_LATENCY)),
+          *(names.total(c) for c in (names.REQUEST_SUCCESS, names.PROMPT_TOKENS, names.GENERATION_TOKENS,
+                                     names.PREFIX_QUERIES, names.PREFIX_HITS)),
+          names.CONFIG_GENERATION, names.KNOB, names.LEASE_PENDING, *names.QUEUES)
 # Labels that tell replicas apart in Prometheus; one source pools them (a fleet reads each replica by its own
 # source: FleetSource).
 _TARGET_LABELS = ("instance", "job")
 # A replica's state, not a count: a fleet's scrape takes its first replica's (the canary reads each replica's own).
-_STATE_SERIES = ("slotune_knob", "slotune_config_lease_pending")
+_STATE_SERIES = (names.KNOB, names.LEASE_PENDING)
 
 Labels = tuple[tuple[str, str], ...]
 

@@ -19,14 +19,16 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from engine import metric_names as names
 from slotune.slo import SLO
 from tuner.control.sources import Scrape
 from tuner.measure.statistics import Interval, proportion_interval
 
-ITL_P99 = "slotune_request_itl_p99_seconds"
-TTFT = "slotune_time_to_first_token_seconds"
-PROMPT_LENGTHS = "slotune_request_prompt_tokens"
-OUTPUT_LENGTHS = "slotune_request_generation_tokens"
+ITL_P99 = names.REQUEST_ITL_P99
+TTFT = names.TTFT
+GAPS = names.INTER_TOKEN_LATENCY
+PROMPT_LENGTHS = names.REQUEST_PROMPT_TOKENS
+OUTPUT_LENGTHS = names.REQUEST_GENERATION_TOKENS
 
 
 MIN_QUEUE_GROWTH = 3  # requests: a window whose queue grew by fewer (or by under 10 % of its finished) kept up
@@ -38,7 +40,7 @@ class CounterReset(ValueError):
 
 def bucket_at(scrape: Scrape, histogram: str, target: float) -> tuple[float, float]:
     """(the count at the largest bucket bound <= target, that bound) of a histogram; (0, nan) without one."""
-    buckets = {float(le): v for le, v in scrape.labelled(f"{histogram}_bucket", "le").items()}
+    buckets = {float(le): v for le, v in scrape.labelled(names.bucket(histogram), "le").items()}
     bounds = [b for b in buckets if b <= target * (1 + 1e-9)]
     if not bounds:
         return 0.0, math.nan
@@ -93,7 +95,7 @@ class Lengths:
 
 
 def _cumulative(scrape: Scrape, histogram: str) -> dict[float, float]:
-    return {float(le): v for le, v in scrape.labelled(f"{histogram}_bucket", "le").items()}
+    return {float(le): v for le, v in scrape.labelled(names.bucket(histogram), "le").items()}
 
 
 def lengths_between(before: Scrape, after: Scrape, histogram: str) -> Lengths:
@@ -112,7 +114,7 @@ def lengths_between(before: Scrape, after: Scrape, histogram: str) -> Lengths:
         grown.append(max(0.0, d))
     # each bucket's own count (a cumulative bucket only grows, so these are >= 0 up to rounding)
     counts = tuple(max(0.0, c - (grown[i - 1] if i else 0.0)) for i, c in enumerate(grown))
-    total = after.get(f"{histogram}_sum") - before.get(f"{histogram}_sum")
+    total = after.get(names.hist_sum(histogram)) - before.get(names.hist_sum(histogram))
     if total < -1e-9:
         raise CounterReset(f"{histogram}_sum went down: the engine restarted")
     return Lengths(bounds, counts, max(0.0, total))
@@ -133,6 +135,13 @@ class WindowStats:
     generations: tuple[int, int]  # config generation at the start and end
     prompt_lengths: Lengths = Lengths()  # of the requests that finished on stop or length
     output_lengths: Lengths = Lengths()
+    mean_gap: float = math.nan  # seconds between two tokens of one request, over the window's gaps
+
+    @property
+    def service_s(self) -> float:
+        """How long a finished request took from its first token to its last (its mean output times the mean gap):
+        the time a request admitted under one config still runs after a switch to another."""
+        return self.mean_output * self.mean_gap if self.finished else math.nan
 
     @property
     def seconds(self) -> float:
@@ -172,7 +181,8 @@ class WindowStats:
                 "attaining": self.attaining,
                 "attainment": self.attainment.as_dict(), "arrival_rate": finite(self.arrival_rate),
                 "mean_prompt": finite(self.mean_prompt), "mean_output": finite(self.mean_output),
-                "prefix_hit_rate": finite(self.prefix_hit_rate), "generations": list(self.generations)}
+                "prefix_hit_rate": finite(self.prefix_hit_rate), "service_s": finite(self.service_s),
+                "generations": list(self.generations)}
 
 
 def window(before: Scrape, after: Scrape, slo: SLO) -> WindowStats:
@@ -187,8 +197,8 @@ def window(before: Scrape, after: Scrape, slo: SLO) -> WindowStats:
     ok_after, bound = bucket_at(after, ITL_P99, slo.tbt_p99)
     ok_before, _ = bucket_at(before, ITL_P99, slo.tbt_p99)
     attaining = delta(ok_after, ok_before, "the TBT-attaining count")
-    reasons = after.labelled("slotune_request_success_total", "finished_reason")
-    reasons_before = before.labelled("slotune_request_success_total", "finished_reason")
+    reasons = after.labelled(names.total(names.REQUEST_SUCCESS), "finished_reason")
+    reasons_before = before.labelled(names.total(names.REQUEST_SUCCESS), "finished_reason")
     finished = sum(delta(v, reasons_before.get(k, 0.0), f"finished requests ({k})") for k, v in reasons.items())
     if slo.ttft_p99 is not None:
         ttft_ok = delta(bucket_at(after, TTFT, slo.ttft_p99)[0], bucket_at(before, TTFT, slo.ttft_p99)[0],
@@ -196,25 +206,32 @@ def window(before: Scrape, after: Scrape, slo: SLO) -> WindowStats:
         attaining = min(attaining, ttft_ok)
     # A request may finish between the two histogram reads of one scrape: never more attaining than finished.
     finished_n = round(finished)
-    queued = [sum(s.get(f"slotune_num_requests_{q}") for q in ("running", "waiting", "preempted"))
+    queued = [sum(s.get(q) for q in names.QUEUES)
               for s in (before, after)]
     return WindowStats(
         start=before.time, end=after.time, finished=finished_n,
         arrived=max(0, finished_n + round(queued[1] - queued[0])), attaining=min(round(attaining), finished_n),
         tbt_bound=bound,
-        prompt_tokens=delta(after.get("slotune_prompt_tokens_total"), before.get("slotune_prompt_tokens_total"),
+        prompt_tokens=delta(after.get(names.total(names.PROMPT_TOKENS)), before.get(names.total(names.PROMPT_TOKENS)),
                             "prompt tokens"),
-        generation_tokens=delta(after.get("slotune_generation_tokens_total"),
-                                before.get("slotune_generation_tokens_total"), "generated tokens"),
-        prefix_queries=delta(after.get("slotune_prefix_cache_queries_total"),
-                             before.get("slotune_prefix_cache_queries_total"), "prefix-cache queries"),
-        prefix_hits=delta(after.get("slotune_prefix_cache_hits_total"), before.get("slotune_prefix_cache_hits_total"),
+        generation_tokens=delta(after.get(names.total(names.GENERATION_TOKENS)),
+                                before.get(names.total(names.GENERATION_TOKENS)), "generated tokens"),
+        prefix_queries=delta(after.get(names.total(names.PREFIX_QUERIES)),
+                             before.get(names.total(names.PREFIX_QUERIES)), "prefix-cache queries"),
+        prefix_hits=delta(after.get(names.total(names.PREFIX_HITS)), before.get(names.total(names.PREFIX_HITS)),
                           "prefix-cache hits"),
-        generations=(int(before.get("slotune_config_generation")), int(after.get("slotune_config_generation"))),
+        generations=(int(before.get(names.CONFIG_GENERATION)), int(after.get(names.CONFIG_GENERATION))),
         prompt_lengths=lengths_between(before, after, PROMPT_LENGTHS),
-        output_lengths=lengths_between(before, after, OUTPUT_LENGTHS))
+        output_lengths=lengths_between(before, after, OUTPUT_LENGTHS),
+        mean_gap=_mean_between(before, after, GAPS))
+
+
+def _mean_between(before: Scrape, after: Scrape, histogram: str) -> float:
+    """The mean of a histogram's observations between two scrapes (nan without any)."""
+    count = after.get(names.hist_count(histogram)) - before.get(names.hist_count(histogram))
+    return (after.get(names.hist_sum(histogram)) - before.get(names.hist_sum(histogram))) / count if count > 0 else math.nan
 
 
 def knobs_of(scrape: Scrape) -> dict[str, float]:
     """The applied knob values the engine exports (numbers; see engine metrics ``slotune_knob``)."""
-    return scrape.labelled("slotune_knob", "name")
+    return scrape.labelled(names.KNOB, "name")

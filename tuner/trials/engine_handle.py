@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,8 @@ class EngineHandle:
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
-            return httpx.request(method, self.url + path, headers=self._headers(), timeout=self.timeout, **kwargs)
+            return httpx.request(method, self.url + path, headers=self._headers(),
+                                 timeout=kwargs.pop("timeout", self.timeout), **kwargs)
         except httpx.HTTPError as error:
             raise EngineError(f"{method} {self.url}{path}: {error or type(error).__name__}") from None
 
@@ -182,6 +184,23 @@ class EngineHandle:
             return r.json()["data"][0]["id"] if r.status_code == 200 else None
         except (EngineError, ValueError, KeyError, IndexError):
             return None
+
+    def finishing_rate(self, sequences: int, output_tokens: int) -> float:
+        """Requests/s the engine finishes, under the config in force, while ``sequences`` requests of
+        ``output_tokens`` tokens each run at once: one batch sent together, timed from the sends to the last finish
+        (a machine's own figure, e.g. to size a load test for it)."""
+        body = {"model": self.model(), "prompt": "Count the words of this sentence, then of the next one.",
+                "max_tokens": output_tokens, "min_tokens": output_tokens, "ignore_eos": True}
+
+        def one(_: int) -> None:
+            r = self._request("POST", "/v1/completions", json=body, timeout=600.0)
+            if r.status_code != 200:
+                raise EngineError(f"{self.url}/v1/completions answered {r.status_code}: {r.text[:200]}")
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(sequences) as pool:
+            list(pool.map(one, range(sequences)))
+        return sequences / (time.perf_counter() - start)
 
     def wait_idle(self, timeout: float = 60.0, poll: float = 0.2) -> bool:
         """Wait until nothing runs, waits or is preempted (slotune's /health says; another server's gauges of

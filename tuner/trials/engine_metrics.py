@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine import metric_names as names
+
 
 @dataclass(frozen=True)
 class EngineSeries:
@@ -24,8 +26,7 @@ class EngineSeries:
     waiting: str  # gauge: requests queued
 
 
-SLOTUNE_SERIES = EngineSeries("slotune_inter_token_latency_seconds", "slotune_time_to_first_token_seconds",
-                              "slotune_num_requests_running", "slotune_num_requests_waiting")
+SLOTUNE_SERIES = EngineSeries(names.INTER_TOKEN_LATENCY, names.TTFT, names.RUNNING, names.WAITING)
 VLLM_SERIES = EngineSeries("vllm:inter_token_latency_seconds", "vllm:time_to_first_token_seconds",
                            "vllm:num_requests_running", "vllm:num_requests_waiting")
 
