@@ -1,12 +1,15 @@
 """The code's shape: no Python file outside tests/ and benchmarks/ is over 400 lines, and no function or method there
 is over 60 lines (from its `def` to its last line) unless it says why, in a `# long: <reason>` comment on its `def`
-line or the line above it."""
+line or the line above it. No import inside a function of the tuner goes without a one-line reason (a heavy or
+optional dependency, or an import cycle) in a comment on its line or the line above it."""
 
 from __future__ import annotations
 
 import ast
+import io
 import os
 import re
+import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -15,6 +18,7 @@ MAX_FUNCTION_LINES = 60
 EXEMPT_DIRS = {"tests", "benchmarks"}  # at the top of the repository
 SKIPPED_DIRS = {"__pycache__", "build", "dist", "node_modules"}  # and hidden ones (.venv, .git) and *.egg-info
 LONG_REASON = re.compile(r"#\s*long:\s*\S")
+REASON = re.compile(r"#\s*\S")  # a comment with something in it
 
 
 def source_files(root: Path = REPO) -> list[Path]:
@@ -73,3 +77,50 @@ def test_the_check_counts_from_the_def_to_the_last_line_and_honours_a_reason() -
     assert shape_problems("x = 1\n" * MAX_FILE_LINES, "m.py") == []
     assert shape_problems("x = 1\n" * (MAX_FILE_LINES + 1), "m.py") == [f"m.py: {MAX_FILE_LINES + 1} lines (at most "
                                                                          f"{MAX_FILE_LINES})"]
+
+
+def unexplained_imports(text: str, name: str) -> list[str]:
+    """The imports inside a function (or method) of one file's source with no comment on their lines or on the line
+    above them: each must say why it is not at the top (a heavy or optional dependency, or an import cycle)."""
+    lines = text.splitlines()
+    commented = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+                 if tok.type == tokenize.COMMENT and REASON.match(tok.string)}
+    problems: dict[int, str] = {}  # by line: the innermost function's (ast.walk meets the outer ones first)
+    for node in ast.walk(ast.parse(text, filename=name)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for sub in ast.walk(node):
+                if isinstance(sub, (ast.Import, ast.ImportFrom)):
+                    own = commented.intersection(range(sub.lineno, (sub.end_lineno or sub.lineno) + 1))
+                    above = sub.lineno - 1 in commented and lines[sub.lineno - 2].lstrip().startswith("#")
+                    if not (own or above):
+                        problems[sub.lineno] = (f"{name}:{sub.lineno}: {lines[sub.lineno - 1].strip()} (in "
+                                                f"{node.name}()): move it to the top, or say why not in a comment "
+                                                "on its line or the line above")
+    return [problems[line] for line in sorted(problems)]
+
+
+def test_every_import_inside_a_tuner_function_says_why() -> None:
+    files = source_files(REPO / "tuner")
+    assert any(p.name == "tune.py" for p in files)  # the walk found the tuner
+    problems = [problem for path in files
+                for problem in unexplained_imports(path.read_text(encoding="utf-8"), str(path.relative_to(REPO)))]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_import_check_wants_a_comment_on_the_line_or_above() -> None:
+    body = "def f():\n    x = 1\n{}    return json\n"
+    assert unexplained_imports("import json\n\n\n" + body.format(""), "m.py") == []  # at the top: nothing to say
+    bare = unexplained_imports(body.format("    import json\n"), "m.py")
+    assert len(bare) == 1 and bare[0].startswith("m.py:3: import json (in f())")
+    assert unexplained_imports(body.format("    import json  # heavy: only here\n"), "m.py") == []
+    assert unexplained_imports(body.format("    # a cycle: json imports this module\n    import json\n"), "m.py") == []
+    assert unexplained_imports(body.format("    import json  #\n"), "m.py") != []  # a reason must be given
+    assert unexplained_imports(body.format("    from json import (\n        dumps)  # optional: only here\n"),
+                               "m.py") == []
+    after_code = "def f():\n    x = 1  # not about the import\n    import json\n    return json\n"
+    assert unexplained_imports(after_code, "m.py") != []  # the line above must be a comment of its own
+    method = "class C:\n    def f(self):\n        from json import dumps\n        return dumps\n"
+    assert len(unexplained_imports(method, "m.py")) == 1
+    nested = "def f():\n    async def g():\n        import json\n        return json\n    return g\n"
+    inner = unexplained_imports(nested, "m.py")
+    assert len(inner) == 1 and "(in g())" in inner[0]  # once, in the innermost function

@@ -121,8 +121,8 @@ def write_report(path: Path, study: optuna.Study, slo: dict[str, Any], title: st
                  lines: list[str] | None = None) -> None:
     """An HTML page: objective per trial with the best so far (feasible vs infeasible), p99 TBT against goodput with
     the SLO line, and a table of the trials."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
+    import plotly.graph_objects as go  # plotly: heavy, only for the report's figures
+    from plotly.subplots import make_subplots  # plotly: heavy, only for the report's figures
 
     trials = measured(study)
     target_ms = (slo.get("tbt_p99") or 0) * 1000

@@ -27,6 +27,7 @@ import httpx
 
 from engine.cpu_info import cpu_name
 from loadtest.config import LoadConfig
+from loadtest.runner import run_loadtest
 from tuner.trials.engine_handle import ConfigRejected, EngineError, EngineHandle, ManagedEngine
 from tuner.simulation.profiles import limits_from
 from tuner.simulation.step_time_model import ProfileError, StepTimeModel
@@ -90,8 +91,6 @@ def busy_gaps(steps: list[dict[str, Any]]) -> list[float]:
 def calibrate(handle: EngineHandle, plan: CalibrationPlan, workdir: Path,
               log: Callable[[str], None] = lambda s: None, steps_out: Path | None = None) -> StepTimeModel:
     """Run the plan against the engine and fit the model (``steps_out``: also keep the step records as JSONL)."""
-    from loadtest.runner import run_loadtest
-
     before = handle.get_config()
     steps: list[dict[str, Any]] = []
     try:

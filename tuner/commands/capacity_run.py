@@ -30,7 +30,11 @@ from tuner.output import write_report, write_tuned_yaml, write_vllm
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.search.design import design_words
 from tuner.search.confirmation import confirmed_rows, error_words, simulator_error
+from tuner.search.rescreen import Rescreen, rescale_text, speed_scale
+from tuner.search.screening import (SCREEN_DRAWS, SCREEN_REDRAWN, engine_dtype, load_profile, screen_capacity,
+                                    sim_runner_like)
 from tuner.search.study import ROLE_DEFAULT, TrialReport, longest_trial_s, measured, run_trials, starts_in_time
+from tuner.trials import arrangement
 from tuner.trials.engine_handle import ConfigRejected, EngineError
 from tuner.trials.trial_runner import TrialRunner
 from tuner.measure.verdict import DEFAULT, Contender, Sample, VerdictResult, first_rate, paired_verdict, pool_levels
@@ -38,7 +42,6 @@ from tuner.measure.verdict_report import capacity_section, verdict_line
 from tuner.measure.verdict_plan import VerdictPlan, sample_of
 
 if TYPE_CHECKING:
-    from tuner.search.rescreen import Rescreen
     from tuner.simulation.step_time_model import StepTimeModel
 
 SCREENED = 40  # configs the simulator screens for capacity when --screen is not given
@@ -68,8 +71,6 @@ class CapacityRun:
         p = self.p
         say(f"{PROG}: measuring this machine's floor (batch 1 under each arrangement of the load generator, then "
             f"batch 4) ...")
-        from tuner.trials import arrangement
-
         floor, _ = measure_floor(self.runner, self.s.trials_dir / "floor", spec=measurement_spec(p),
                                  arrangements=arrangement.candidates(self.runner),
                                  arrange=lambda a: arrangement.apply(self.runner, a), draw=self.s.draws.floor)
@@ -136,9 +137,6 @@ class CapacityRun:
         best becomes the next trial, its search starting at its predicted capacity. After each trial the speed is
         refitted to all the real trials so far and, when it moved, the configs are screened again, so that each next
         screened trial is the best at the engine's present speed."""
-        from tuner.search.rescreen import Rescreen, rescale_text, speed_scale
-        from tuner.search.screening import SCREEN_DRAWS, SCREEN_REDRAWN, engine_dtype, load_profile, screen_capacity
-
         n = self.s.screen or SCREENED
         top = max(0, self.p.trials - 1)
         kind = self.s.kind
@@ -302,8 +300,6 @@ class CapacityRun:
     def twin(self, model: StepTimeModel | None) -> SimTrialRunner:
         """The simulator that stands for the engine with ``model``'s step times (a simulated engine, in tests: that
         simulator itself)."""
-        from tuner.search.screening import sim_runner_like
-
         return self.runner if isinstance(self.runner, SimTrialRunner) else sim_runner_like(self.runner, model=model)
 
     def confirmed(self, result: VerdictResult) -> list[dict[str, Any]]:

@@ -27,8 +27,8 @@ def duration_arg(text: str) -> float:
 
 def check_workload(policy: Policy) -> None:
     """Build the load schedule once now, so a bad trace fails before any engine starts."""
-    from loadtest.config import LoadConfig
-    from loadtest.schedule import build_schedule
+    from loadtest.config import LoadConfig  # numpy: heavy, not for --help or a flag error
+    from loadtest.schedule import build_schedule  # numpy: heavy, not for --help or a flag error
 
     w = policy.workload
     extra: dict[str, Any] = {k: v for k, v in (("mix", w.mix), ("mix_weights", w.mix_weights)) if v}

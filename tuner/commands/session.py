@@ -24,6 +24,7 @@ from tuner.trials.restarted_engine import RestartedEngine
 from engine.knobs import short_knobs
 from tuner.output import write_report, write_tuned_yaml, write_vllm
 from tuner.search.auto_rate import choose_rate
+from tuner.simulation.step_time_model import StepTimeModel
 from tuner.search.study import (ROLE_DEFAULT, TrialReport, best_trial, closest_trial, counted_trials,
                          default_trial, enqueue_default, open_study, recover_orphans, run_trials,
                          study_name_for)
@@ -189,8 +190,8 @@ class TuneSession:
         (predicted against measured is printed at the end)."""
         # the simulator (it runs the engine's torch-free scheduler) is imported only when asked for
         from tuner.search.rescreen import Rescreen, measured_steps, rescale_text, speed_scale
-        from tuner.search.screening import CONFIRMED, engine_dtype, load_profile, predicted, screen, sim_runner_like
-        from tuner.simulation.step_time_model import StepTimeModel
+        from tuner.search.screening import (CONFIRMED, engine_dtype, load_profile,  # the simulator too
+                                            predicted, screen, sim_runner_like)
 
         if not measured_steps(study):
             # the default config's trial (enqueued first) runs before the screen: its step records tell the

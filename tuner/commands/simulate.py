@@ -11,6 +11,7 @@ times from a calibrated profile). Writes a trial folder (records.parquet, summar
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import warnings
 from pathlib import Path
@@ -18,10 +19,15 @@ from typing import Any
 
 from engine.cli import add_knob_arguments, knobs_from_args
 from engine.config import ConfigError, EngineConfig
+from engine.serve_cli import ConfigFileError, load_config_file
 from loadtest.config import OPTIONS, LoadConfig
 from loadtest.summary import format_summary_table
 from tuner.simulation.profiles import limits_of, profile_path
+from tuner.simulation.simulator import simulate_load
+from tuner.simulation.simulator_trial import write_trial_folder
 from tuner.simulation.step_time_model import ProfileError, StepTimeModel
+from tuner.trials.step_stats import step_stats
+from tuner.trials.trial_runner import TrialOutcome, feasibility
 
 # Load-test flags that mean nothing without a server.
 _SKIPPED = {"model", "out", "records-format", "lag-warn"}
@@ -50,8 +56,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"slotune simulate: {message}", file=sys.stderr)
         return 2
 
-    from engine.serve_cli import ConfigFileError, load_config_file
-
     try:
         knobs: dict[str, Any] = load_config_file(args.config) if args.config else {}
     except ConfigFileError as error:
@@ -66,11 +70,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg = LoadConfig.from_strings({k: v for k, v in vars(args).items() if k != "out"})
     except ValueError as error:
         return fail(str(error))
-
-    from tuner.simulation.simulator import simulate_load
-    from tuner.simulation.simulator_trial import write_trial_folder
-    from tuner.trials.step_stats import step_stats
-    from tuner.trials.trial_runner import TrialOutcome, feasibility
 
     limits = limits_of(model)
     with warnings.catch_warnings(record=True) as caught:
@@ -95,8 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     write_trial_folder(Path(args.out), result, summary, outcome, workload, slo, steps,
                        {"duration": cfg.duration, "warmup": 0.0, "profile": str(path)})
     if args.json:
-        import json
-
         print(json.dumps(summary, indent=2))
     else:
         print(format_summary_table(summary))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
+from slotune.slo import SLO
 from slotune.units import format_duration
 from engine.knobs import KNOB_BY_NAME, KNOB_NAMES
 from policies import Policy, PolicyError, load_policy
@@ -177,7 +178,7 @@ def _fmt(x: Any, scale: float = 1.0, unit: str = "") -> str:
 
 def engine_runner(plan: SweepPlan, engine: Any) -> Any:
     """The tuner's TrialRunner on `engine` (an EngineHandle, or a started ManagedEngine)."""
-    from tuner.trials.trial_runner import TrialRunner
+    from tuner.trials.trial_runner import TrialRunner  # httpx, numpy: heavy, not for --help or a flag error
 
     p = plan.policy
     return TrialRunner(engine, workload=p.workload, rate=plan.rate, duration=p.trial_duration, warmup=p.warmup,
@@ -186,10 +187,9 @@ def engine_runner(plan: SweepPlan, engine: Any) -> Any:
 
 def simulator_runner(plan: SweepPlan) -> Any:
     """The simulator's SimTrialRunner (same run(knobs, out_dir) -> TrialOutcome), with the calibrated profile."""
-    from slotune.slo import SLO
-    from tuner.simulation.profiles import limits_of, profile_path
-    from tuner.simulation.simulator_trial import SimTrialRunner
-    from tuner.simulation.step_time_model import ProfileError, StepTimeModel
+    from tuner.simulation.profiles import limits_of, profile_path  # the simulator (numpy): only with --simulate
+    from tuner.simulation.simulator_trial import SimTrialRunner  # the simulator: only with --simulate
+    from tuner.simulation.step_time_model import ProfileError, StepTimeModel  # numpy: only with --simulate
 
     try:
         model = StepTimeModel.load(profile_path(plan.profile))
@@ -230,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         simulator = simulator_runner(plan) if plan.simulate else None
     except CliError as error:
         parser.exit(2, f"{PROG}: error: {error}\n")
+    # httpx, numpy: heavy, not for --help or a flag error
     from tuner.trials.engine_handle import EngineError, EngineHandle, ManagedEngine
 
     previous_sigterm = signal.signal(signal.SIGTERM, _sigterm)

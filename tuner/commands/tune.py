@@ -18,6 +18,7 @@ override it. Writes tuned.yaml (for `slotune serve --config`), tuned.vllm.txt an
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from dataclasses import replace
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from policies import OBJECTIVES, SAMPLERS, Policy, PolicyError, load_policy
-from tuner.commands.engines import add_engine_flags, check_engine_args
+from tuner.commands.engines import add_engine_flags, check_engine_args, check_policy, checked_knobs, server_kind
 from tuner.commands.flags import CliError, check_workload, duration_arg
 from tuner.commands.progress import PROG
 
@@ -128,7 +129,6 @@ def policy_from_args(args: argparse.Namespace) -> Policy:
             changes[flag] = getattr(args, flag)
     policy = policy.replace(**changes)
     if getattr(args, "check", None):
-        from tuner.commands.engines import check_policy, checked_knobs
         policy = check_policy(policy, checked_knobs(args.check))
     if policy.sampler == "grid":
         for k in policy.search_space:
@@ -141,8 +141,6 @@ def policy_from_args(args: argparse.Namespace) -> Policy:
 
 def check_args(args: argparse.Namespace) -> str | None:
     """Cross-flag checks; returns the admin token to use."""
-    import os
-
     check_engine_args(args)
     token = args.admin_token or (os.environ.get("SLOTUNE_ADMIN_TOKEN") if args.engine_url else None)
     if args.engine_url:
@@ -166,7 +164,7 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 
 def _interrupt(signum: int, frame: Any) -> NoReturn:
-    from tuner.trials.trial_runner import STOP
+    from tuner.trials.trial_runner import STOP  # httpx, numpy: heavy, not for --help or a flag error
 
     STOP.set()  # seen between the steps of a trial, should the exception below get swallowed
     raise KeyboardInterrupt  # SIGTERM gets the same clean-up as Ctrl-C: stop the engine, keep the study
@@ -181,9 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         check_workload(policy)
         kind = None
         if args.engine != "slotune":
-            from tuner.commands.engines import server_kind
             kind = server_kind(args, policy)
-        from tuner.search.study import StorageError, open_storage
+        from tuner.search.study import StorageError, open_storage  # optuna: heavy, not for --help or a flag error
         try:
             storage = open_storage(args.storage)
         except StorageError as error:
@@ -195,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when started with SIGINT ignored
         signal.signal(signal.SIGINT, _interrupt)
-    from tuner.commands.session import TuneSession
+    from tuner.commands.session import TuneSession  # optuna, scipy: heavy, not for --help or a flag error
     session = TuneSession(args, policy, storage, token, kind)
     try:
         return session.run()

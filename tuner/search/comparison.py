@@ -198,7 +198,7 @@ def compare(policy: Policy, runner: SimTrialRunner, trials: int = 60, seeds: int
 
 def plot(comparison: Comparison, path: str) -> str:
     """Best feasible goodput against trials (mean over seeds, min-max band), as a plotly HTML file."""
-    import plotly.graph_objects as go
+    import plotly.graph_objects as go  # plotly: heavy, only for the figure
 
     fig = go.Figure()
     colors = {"tpe": "#1f77b4", "tpe-random-start": "#9467bd", "gp": "#2ca02c", "random": "#ff7f0e",

@@ -21,8 +21,10 @@ import optuna
 from slotune.slo import SLO
 from policies import Policy
 from tuner.search.design import screen_design
+from tuner.measure.capacity import capacity_searcher
 from tuner.search.objective import goodput
 from engine.knobs import short_knobs
+from tuner.simulation.profiles import limits_of, profile_path
 from tuner.simulation.simulator_trial import SimTrialRunner
 from tuner.simulation.step_time_model import StepTimeModel
 from tuner.trials.engine_handle import EngineError, EngineHandle
@@ -95,8 +97,6 @@ def screen_capacity(policy: Policy, sim: TrialBackend, n: int, out_dir: Path, dr
     policy's) in the simulator ``sim``: all on one draw, the best ``redrawn`` of them on ``draws`` in all; best first
     (see :meth:`ScreenedCapacity.rank_key`). Each draw's searches learn their starts from each other
     (tuner.measure.capacity.CapacitySearcher), as the engine's do."""
-    from tuner.measure.capacity import capacity_searcher
-
     design = screen_design(policy, n, policy.seed if seed is None else seed)
     configs = [ScreenedCapacity(knobs, params) for knobs, params in design]
 
@@ -126,8 +126,6 @@ def rank(screened: list[Screened]) -> list[Screened]:
 
 def load_profile(profile: str | Path | None = None, dtype: str | None = None) -> StepTimeModel:
     """The step-time profile ``profile``, else $SLOTUNE_PROFILE, else the one shipped for ``dtype``."""
-    from tuner.simulation.profiles import profile_path
-
     return StepTimeModel.load(profile_path(str(profile) if profile else None, dtype))
 
 
@@ -139,8 +137,6 @@ def sim_runner_like(runner: TrialRunner, profile: str | Path | None = None,
     engine's ``measured`` step records when there are enough of them (StepTimeModel.rescaled; the scale is in
     ``timer.meta``). The model limits are the engine's own where it answers (its dtype sets the KV bytes per
     token, so the twin's KV pool holds as many tokens), else the profile's."""
-    from tuner.simulation.profiles import limits_of
-
     model = model or load_profile(profile)
     model = (model.rescaled(measured) if measured else None) or model
     assert isinstance(runner.slo, SLO)  # TrialRunner.__post_init__ made it one

@@ -10,6 +10,7 @@ config (enqueued as the first trial) is measured once.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 import optuna
+from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from policies import Policy
@@ -59,7 +61,6 @@ def open_storage(spec: str | None) -> optuna.storages.BaseStorage:
             if not path:
                 raise StorageError("journal storage needs a file: journal:PATH")
             Path(path).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
-            from optuna.storages.journal import JournalFileBackend
             return optuna.storages.JournalStorage(JournalFileBackend(str(Path(path).expanduser())))
         if "://" not in spec:
             if Path(spec).suffix.lower() in (".db", ".sqlite", ".sqlite3"):
@@ -84,7 +85,7 @@ def open_storage(spec: str | None) -> optuna.storages.BaseStorage:
 def _masked(url: str) -> str:
     """The URL without its password (error messages end up in logs)."""
     try:
-        from sqlalchemy.engine import make_url
+        from sqlalchemy.engine import make_url  # sqlalchemy: heavy, only for a database URL's error
         return make_url(url).render_as_string(hide_password=True)
     except Exception:  # not a URL at all
         return url
@@ -93,8 +94,6 @@ def _masked(url: str) -> str:
 def _postgres_driver(url: str) -> str:
     """``postgresql://`` means psycopg2 to SQLAlchemy; use psycopg (3), the driver slotune installs, when psycopg2
     is absent."""
-    import importlib.util
-
     for prefix in ("postgresql://", "postgres://"):
         if url.startswith(prefix) and importlib.util.find_spec("psycopg2") is None \
                 and importlib.util.find_spec("psycopg") is not None:

@@ -34,6 +34,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.step_record import StepRecord
 from loadtest.records import RequestRecord
+from loadtest.schedule import build_schedule
 from slotune.slo import SLO
 from loadtest.summary import summarize
 from loadtest.tokens import UNIQUE, PromptBuilder, TokenSpace
@@ -339,8 +340,6 @@ def simulate_load(cfg: Any, knobs: dict[str, Any], timer: StepTimer, *, limits: 
     with the schedule's description, like a real load test's). ``backlog``: that many more requests of the same
     workload already waiting at the start (a live engine's queue; they finish outside any measured window but
     hold the engine while it drains them). Raises ConfigError for a bad knob."""
-    from loadtest.schedule import build_schedule
-
     config = EngineConfig.create(limits, **knobs)
     schedule = build_schedule(cfg)
     requests = list(schedule.requests)

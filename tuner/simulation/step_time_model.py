@@ -82,7 +82,7 @@ def _inputs(step: Mapping[str, Any], block_size: int | None) -> dict[str, float]
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """min ||a x - b|| subject to x >= 0 (scipy's Lawson-Hanson)."""
-    from scipy.optimize import nnls as scipy_nnls
+    from scipy.optimize import nnls as scipy_nnls  # scipy: heavy, only to fit a profile
 
     x, _ = scipy_nnls(a, b, maxiter=50 * a.shape[1])
     return x
