@@ -10,8 +10,8 @@ the config tuned for phase one, and for the controller (``slotune control`` star
 Each arm gets a fresh engine and the same two Locust runs back to back (same seeds: the same arrival draws):
 phase one ``--mix`` at ``--rate``, phase two ``--mix2`` (default: the same mix) at ``--rate2`` (default: four
 times the rate). Attainment
-per request (DESIGN: TTFT and its own p99 gap within the SLO; failed or unfinished requests do not attain) is binned
-by intended send time; each phase is summarized after the settling time (``--settle``) with its Clopper-Pearson
+per request (a request attains when its TTFT and its own p99 gap are within the SLO; failed or unfinished requests
+do not) is binned by intended send time; each phase is summarized after the settling time (``--settle``) with its Clopper-Pearson
 interval, and goodput (attaining requests/s) is compared with the best static arm of that phase. Writes
 OUT/controller_shift.json, OUT/controller_shift.html and OUT/controller_shift.png (the HTML shot in headless
 Chromium) and prints a summary. The machine's CPU is recorded in the JSON.

@@ -30,7 +30,7 @@ __all__ = ["CONTENT_TYPE_LATEST", "LATENCY_BUCKETS", "LENGTH_BUCKETS", "TOKEN_BU
 
 # Fine below 100 ms, so a 50 ms SLO can be read from histogram_quantile.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1,
-                   0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+                   0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # A finished request's prompt and output lengths (as vLLM's request_prompt_tokens / request_generation_tokens): 1-2-5
 # steps per decade, so the controller can compare the length distributions of two windows bucket by bucket.

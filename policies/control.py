@@ -89,6 +89,8 @@ class Canary:
 # A canary is kept by either of two tests (attainment, and requests finished while the engine is backlogged), each
 # at level / KEEP_ROUTES: together they spend the canary's one budget.
 KEEP_ROUTES = 2
+# A canary whose plan grows looks twice (at the planned pairs and at the end), each at half of its route's level.
+KEEP_LOOKS = 2
 
 
 def min_pairs(level: float) -> int:

@@ -163,6 +163,11 @@ class Constraint:
 
 @dataclass(frozen=True)
 class WorkloadSpec:
+    """A workload as the load generator and the simulator draw it. The record's own defaults mean "the workload as it
+    is" (no scaling, the load generator's default mix): what the code that builds one from live traffic or a test
+    wants. A policy's workload is another thing: a policy file that leaves a field out gets the shipped default of
+    ``default.yaml`` (lengths scaled by 0.125, outputs by 0.25), never these."""
+
     name: str = "mixed"
     length_scale: float = 1.0
     mix: str | None = None

@@ -106,7 +106,8 @@ def test_a_ten_point_gain_is_kept_at_the_power_the_plan_states(rate: float) -> N
 def test_the_plan_states_the_power_left_when_max_window_caps_it() -> None:
     slow, fast = plan_switchback(SPEC, 0.4, 0.8, 0.0, 0), plan_switchback(SPEC, 8.0, 0.8, 0.0, 0)
     assert slow.pairs == slow.most_pairs == int(SPEC.max_window // (2 * SPEC.block)) and slow.power < SPEC.power
-    assert fast.pairs == min_pairs(SPEC.level) and fast.power >= SPEC.power  # seven pairs at 0.025
+    # eight pairs at 0.025: one more than a single look needs, so that a look at the plan can keep too
+    assert fast.pairs == min_pairs(SPEC.level / 2) == min_pairs(SPEC.level) + 1 and fast.power >= SPEC.power
     assert plan_switchback(SPEC, 0.4, 0.8, 0.4, 0).pairs < slow.pairs  # a larger predicted gain needs fewer pairs
     assert sum(slow.candidate_first) not in (0, slow.most_pairs)  # the order is drawn per pair
 
@@ -200,3 +201,24 @@ def test_behind_a_queue_the_plan_holds_the_pairs_the_service_route_needs() -> No
     assert sum(k == "keep drains" and blocks <= 2 * planned for k, blocks in kept) >= 0.8 * draws
     same = sum(queue_canary(rng, spec, 0.0, i)[0] == "keep drains" for i in range(draws))
     assert at_most(same / draws, spec.level / 2, draws)
+
+
+def test_a_large_gain_is_kept_at_the_planned_pairs_not_at_the_longest_window() -> None:
+    """A gain far above the planned effect spreads the pairs' differences (their squares hold the gain), so the plan
+    grows; the look at the planned pairs keeps it there instead of running to max_window."""
+    rng = np.random.default_rng(23)
+    at_plan = 0
+    draws = 100
+    for i in range(draws):
+        traffic = Traffic(rng, 1.0, 0.5)
+        plan = plan_switchback(SPEC, 1.0, 0.5, 0.3, i)  # sized for +30 points
+        blocks: list[Block] = []
+        for b in range(2 * plan.most_pairs):
+            arm = plan.arm(b)
+            k, n = traffic.step(0.45 if arm == "candidate" else 0.0)
+            blocks.append(Block(b, arm, k, n, n, n, 1))
+            verdict = judge_switchback(blocks, plan, SPEC)
+            if verdict.action != "continue":
+                at_plan += verdict.action == "keep" and b + 1 == 2 * plan.pairs
+                break
+    assert at_plan >= 0.8 * draws

@@ -21,7 +21,9 @@ from tuner.control.guardrails import changed, cooldown_left, move_policy, projec
 from engine.metrics import LENGTH_BUCKETS
 from tuner.control.shape import Shape
 from tuner.control.sources import Scrape
-from tuner.control.window import CounterReset, Lengths, lengths_between, window
+from tuner.control.candidates import Prediction, Search
+from tuner.control.loop import service_time
+from tuner.control.window import CounterReset, Lengths, WindowStats, lengths_between, off_bucket_targets, window
 from tuner.measure.statistics import (
     proportion_difference_interval,
 )
@@ -382,3 +384,19 @@ def test_a_retune_that_fails_is_a_logged_no_move_and_the_controller_goes_on(
     assert len(decisions) == 1 and decisions[0]["outcome"] == "no_move"
     assert "the retune failed: ValueError: the simulator cannot parse" in decisions[0]["reason"]
     assert engine.applied == [] and controller.canary is None  # nothing applied; the next tick watches again
+
+
+def test_a_block_settles_for_the_longer_of_the_measured_and_the_predicted_request() -> None:
+    before = WindowStats(0.0, 15.0, 10, 10, 9, 0.05, 0, 320, 0, 0, (1, 1), mean_gap=0.05)  # 32 tokens x 50 ms
+    faster = Search(Prediction({"max_num_seqs": 8}, {"tbt_mean": 0.02}), Prediction({}, {}), "", 1)
+    slower = Search(Prediction({"max_num_seqs": 8}, {"tbt_mean": 0.25}), Prediction({}, {}), "", 1)
+    assert service_time(before, faster) == pytest.approx(1.6)
+    assert service_time(before, slower) == pytest.approx(8.0)  # the candidate's larger batch: longer steps
+    assert service_time(before, Search(None, Prediction({}, {}), "", 0)) == pytest.approx(1.6)
+
+
+def test_a_target_between_bucket_bounds_is_named_at_start_up() -> None:
+    s = scrape(0, ok=10, count=10, finished=10, ttft_ok=8)
+    assert off_bucket_targets(s, SLO(tbt_p99=0.05, ttft_p99=2.0)) == []
+    notes = off_bucket_targets(s, SLO(tbt_p99=0.045, ttft_p99=2.5))
+    assert len(notes) == 2 and "read at 40ms" in notes[0] and "TTFT target 2.50s" in notes[1]

@@ -119,8 +119,8 @@ OVERVIEW = Dashboard("slotune-overview", "slotune / overview", rows=(
             Query('job_le:slotune_tbt_attainment:ratio_rate5m{le="$slo_tbt"}', "attainment, 5m (recorded)"),
             Query("vector(0.9)", "objective"),
         ), unit="percentunit", max_value=1.0,
-            description="Share of finished requests whose own p99 inter-token gap is within the target (DESIGN: "
-                        "a request attains when its own p99 gap <= the TBT target)."),
+            description="Share of finished requests whose own p99 inter-token gap is within the target (a "
+                        "request attains when its own p99 gap <= the TBT target)."),
         Panel("Goodput (attaining requests/s)", (
             Query(f'sum(rate(slotune_request_itl_p99_seconds_bucket{{{ENGINE},le="$slo_tbt"}}{RATE}))', "goodput"),
             Query("job:slotune_goodput_requests:rate5m", "goodput at 50 ms, 5m (recorded)"),

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from policies.control import KEEP_ROUTES, Canary, min_pairs
+from policies.control import KEEP_LOOKS, KEEP_ROUTES, Canary, min_pairs
 from tuner.measure.statistics import Interval, proportion_difference_interval
 
 # Requests that queue behind one burst attain or miss together: a block's share varies more than a binomial one.
@@ -152,7 +152,9 @@ def plan_switchback(spec: Canary, rate: float, baseline: float, predicted_gain: 
     wanted = max(math.ceil(z_sum(spec) ** 2 * variance / (effect * effect)),
                  service_pairs(spec, rate, service_gain, block - settle, fleet))
     most = int(spec.max_window // (2 * block))
-    pairs = min(max(wanted, min_pairs(spec.level)), most)
+    # at least the pairs whose look can keep at its share of the level should the plan grow (one pair more than a
+    # single look needs), at most what max_window holds
+    pairs = min(max(wanted, min_pairs(spec.level / KEEP_LOOKS)), most)
     order = random.Random(seed)
     replicas = tuple(order.sample(range(fleet), 2)) if fleet > 1 else (0,)
     return SwitchbackPlan(pairs, most, block, settle, tuple(order.random() < 0.5 for _ in range(most)),
@@ -284,17 +286,19 @@ def judge_switchback(blocks: Sequence[Block], plan: SwitchbackPlan, spec: Canary
                                              f"({spec.rollback_drop:.0%}) beyond the noise", drop)
     d = pair_differences(blocks)
     done = len({b.index for b in blocks})
-    needed = pairs_needed(d, plan, spec)
     mean = mean_interval(d, spec.level)
     shown = f"{mean.format(scale=100, unit=' pp')} over {len(d)} pairs"
-    at_plan = done == 2 * plan.pairs and needed > plan.pairs
+    # Where the planned pairs' differences spread more than the plan assumed, it grows, and the keep tests look
+    # twice (at the planned pairs and at the end), each at half the level: a candidate whose large gain spreads its
+    # differences (their squares hold the gain too) is kept at the plan instead of running to max_window. Whether
+    # it grows is read from the planned pairs' squares alone, which do not depend on the signs and are fixed once
+    # the plan is in, so under "no difference" the looks together keep at most at the level.
+    grown = done >= 2 * plan.pairs and pairs_needed(d[:plan.pairs], plan, spec) > plan.pairs
+    needed = pairs_needed(d, plan, spec) if grown else plan.pairs
+    at_plan = grown and done == 2 * plan.pairs
     if done < 2 * needed and not at_plan:
-        return CanaryVerdict("continue", f"{done} of {2 * needed} blocks, difference {shown}", mean)
-    # Where the plan grows, the keep tests look twice (at the planned pairs and at the end), each at half the
-    # level: a candidate whose large gain spreads its differences (their squares grow with the gain) is kept
-    # at the plan instead of running to max_window. Whether the plan grows is read from the squares, which do not
-    # depend on the signs, so under "no difference" the looks together keep at most at the level.
-    level = spec.level / KEEP_ROUTES / (2 if needed > plan.pairs else 1)
+        return CanaryVerdict("continue", f"{done} of {2 * max(needed, plan.pairs)} blocks, difference {shown}", mean)
+    level = spec.level / KEEP_ROUTES / (KEEP_LOOKS if grown else 1)
     p_value = sign_flip_p_value(d)
     if p_value <= level:
         return CanaryVerdict("keep", f"better than the applied config in the same traffic: attainment {shown}, "

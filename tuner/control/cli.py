@@ -30,6 +30,7 @@ from tuner.control.decision_log import DecisionLog
 from tuner.control.engine_admin import LeasingEngine
 from tuner.control.loop import Controller
 from tuner.control.sources import SourceUnavailable, discover, fleet_source
+from tuner.control.window import off_bucket_targets
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         threading.Timer(args.duration, stop.set).start()
     print(f"slotune control: watching {source.description} ({args.mode}), log {args.log}", file=sys.stderr,
           flush=True)
+    try:
+        for note in off_bucket_targets(source.scrape(), controller.slo):
+            print(f"slotune control: note: {note}", file=sys.stderr, flush=True)
+    except SourceUnavailable:
+        pass  # the loop says so, and waits for the source
     controller.run(stop.is_set, proposal)
     return 0
 

@@ -1,8 +1,8 @@
 """What happened between two scrapes: the requests that finished, how many attained the SLO, and the workload's
 shape (arrivals, the prompt and output lengths of the finished requests, prefix-cache hit rate).
 
-Attainment follows DESIGN: a request attains when its own p99 inter-token gap is within the TBT target (and its
-TTFT within the TTFT target when set). The engine exports each finished request's own p99 gap as a histogram, so the
+Attainment as the project defines it: a request attains when its own p99 inter-token gap is within the TBT target
+(and its TTFT within the TTFT target when set). The engine exports each finished request's own p99 gap as a histogram, so the
 attaining count is that histogram's bucket at the target, as an increase between the scrapes, over all requests
 that finished (aborted ones do not attain). A target between two bucket bounds is read at the bound below it (only
 requests sure to attain count). With a TTFT target the engine's two histograms give the marginal counts only, so the
@@ -21,6 +21,7 @@ from typing import Any
 
 from engine import metric_names as names
 from slotune.slo import SLO
+from slotune.units import format_duration
 from tuner.control.sources import Scrape
 from tuner.measure.statistics import Interval, proportion_interval
 
@@ -46,6 +47,21 @@ def bucket_at(scrape: Scrape, histogram: str, target: float) -> tuple[float, flo
         return 0.0, math.nan
     bound = max(bounds)
     return buckets[bound], bound
+
+
+def off_bucket_targets(scrape: Scrape, slo: SLO) -> list[str]:
+    """A sentence for each SLO target that is not a bucket bound of the engine's histogram it is read from: it is
+    read at the bound below, so requests between the two count as missing and attainment reads low."""
+    notes = []
+    for name, histogram, target in (("TBT", ITL_P99, slo.tbt_p99), ("TTFT", TTFT, slo.ttft_p99)):
+        if target is None:
+            continue
+        _, bound = bucket_at(scrape, histogram, target)
+        if math.isfinite(bound) and not math.isclose(bound, target, rel_tol=1e-9):
+            notes.append(f"the {name} target {format_duration(target)} is not a bucket bound of {histogram}: it is "
+                         f"read at {format_duration(bound)}, so requests between the two count as missing and "
+                         "attainment reads low (a target on a bound reads exactly)")
+    return notes
 
 
 @dataclass(frozen=True)
