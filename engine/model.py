@@ -79,11 +79,16 @@ class LlamaModel:
             torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
         if self.kernels is not None:
             self._pack_weights(self.kernels)
-        self._fused_weights = [
-            [layer.input_norm for layer in self.layers], [layer.qkv for layer in self.layers],
-            [layer.qkv_bias for layer in self.layers if layer.qkv_bias is not None],
-            [layer.o_proj for layer in self.layers], [layer.post_attention_norm for layer in self.layers],
-            [layer.gate_up for layer in self.layers], [layer.down for layer in self.layers]]
+        # the C++ layer loop's weights and sizes, bound by name and checked once (engine/csrc/kernels.h)
+        self._fused_weights = None if self.kernels is None else self.kernels.LayerWeights(
+            input_norm=[layer.input_norm for layer in self.layers], qkv=[layer.qkv for layer in self.layers],
+            qkv_bias=[layer.qkv_bias for layer in self.layers if layer.qkv_bias is not None],
+            o_proj=[layer.o_proj for layer in self.layers],
+            post_norm=[layer.post_attention_norm for layer in self.layers],
+            gate_up=[layer.gate_up for layer in self.layers], down=[layer.down for layer in self.layers])
+        self._fused_dims = None if self.kernels is None else self.kernels.ModelDims(
+            num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads, head_dim=head_dim,
+            eps=config.rms_norm_eps, scale=self.scale)
 
     def _weights_in_forward_order(self) -> list[torch.Tensor]:
         """The weights one forward pass reads, in the order it reads them (a tied embedding once, as the LM head;
@@ -158,14 +163,15 @@ class LlamaModel:
             return self._triton_layers(hidden, cos, sin, meta, kv_cache)
         if self.fused_loop and self.kernels is not None:
             groups, chunks = meta.decode_groups, meta.prefills
+            plan = self.kernels.StepPlan(
+                decode_start=[g.start for g in groups], decode_end=[g.end for g in groups],
+                decode_tables=[g.block_tables for g in groups], decode_context_lens=[g.context_lens for g in groups],
+                prefill_start=[c.start for c in chunks], prefill_end=[c.end for c in chunks],
+                prefill_context=[c.context_len for c in chunks], prefill_tables=[c.block_table for c in chunks],
+                prefill_masks=[c.mask for c in chunks])
             return self.kernels.decoder_layers(  # the loop below, in C++, bit for bit
-                hidden, cos, sin, meta.slot_mapping,
-                [g.start for g in groups], [g.end for g in groups], [g.block_tables for g in groups],
-                [g.context_lens for g in groups],
-                [c.start for c in chunks], [c.end for c in chunks], [c.context_len for c in chunks],
-                [c.block_table for c in chunks], [c.mask for c in chunks],
-                *self._fused_weights, kv_cache.key, kv_cache.value, cfg.num_attention_heads,
-                cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps, self.scale)
+                hidden, cos, sin, meta.slot_mapping, plan, self._fused_weights, kv_cache.key, kv_cache.value,
+                self._fused_dims)
         kernels = self.kernels
         for index, layer in enumerate(self.layers):
             x = self._rms_norm(hidden, layer.input_norm)

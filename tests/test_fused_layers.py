@@ -79,6 +79,23 @@ def test_fused_layer_loop_is_bit_identical_to_the_python_loop(llm: LLM, batch) -
     assert not torch.equal(key0, kv.key)  # the step did write the new tokens' keys
 
 
+def test_the_layer_loops_records_take_names_only_and_refuse_lists_out_of_step(llm: LLM) -> None:
+    """The C++ layer loop's arguments are three records made by keyword: a list in another's place cannot be passed
+    by position, and lists of different lengths are refused when the record is made, not computed with."""
+    kernels = llm.engine.model.kernels
+    w = torch.ones(4)
+    with pytest.raises(TypeError):
+        kernels.ModelDims(9, 3, 64, 1e-5, 0.125)  # positional: refused
+    with pytest.raises(RuntimeError, match="LayerWeights: a list holds 1 layers, qkv 2"):
+        kernels.LayerWeights(input_norm=[w], qkv=[w, w], qkv_bias=[], o_proj=[w, w], post_norm=[w, w],
+                             gate_up=[w, w], down=[w, w])
+    with pytest.raises(RuntimeError, match="StepPlan: the decode lists differ in length"):
+        kernels.StepPlan(decode_start=[0], decode_end=[1, 2], decode_tables=[w], decode_context_lens=[w],
+                         prefill_start=[], prefill_end=[], prefill_context=[], prefill_tables=[], prefill_masks=[])
+    with pytest.raises(RuntimeError, match="ModelDims: num_heads must be a multiple of num_kv_heads"):
+        kernels.ModelDims(num_heads=9, num_kv_heads=4, head_dim=64, eps=1e-5, scale=0.125)
+
+
 def test_the_model_weights_live_in_one_packed_buffer_in_forward_order(llm: LLM) -> None:
     model = llm.engine.model
     weights = model._weights_in_forward_order()

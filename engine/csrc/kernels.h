@@ -36,15 +36,29 @@ Tensor decode_attention(const Tensor& query, const Tensor& key_cache, const Tens
 Tensor prefill_attention(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                          const Tensor& block_table, int64_t context_len, double scale);
 
-// layer_loop.cpp
+// layer_loop.cpp: the decoder's layer loop of one step. Its arguments come bound as three records, each made in
+// bindings.cpp from keyword arguments only and checked once as it is made, so that no list can land in another's
+// place (parallel lists of tensors in the wrong order would compile, run and give wrong numbers).
+struct StepPlan {  // which rows of the step are decode groups and which prefill chunks (engine/attention.py)
+  std::vector<int64_t> decode_start, decode_end;
+  std::vector<Tensor> decode_tables, decode_context_lens;
+  std::vector<int64_t> prefill_start, prefill_end, prefill_context;
+  std::vector<Tensor> prefill_tables;
+  std::vector<std::optional<Tensor>> prefill_masks;
+  void check() const;  // the decode lists of one length, the prefill lists of one length, every range in order
+};
+
+struct LayerWeights {  // one entry per layer, in layer order (engine/model.py's LayerWeights)
+  std::vector<Tensor> input_norm, qkv, qkv_bias, o_proj, post_norm, gate_up, down;
+  void check() const;  // every list one per layer (qkv_bias: empty, or one per layer)
+};
+
+struct ModelDims {
+  int64_t num_heads, num_kv_heads, head_dim;
+  double eps, scale;
+  void check() const;  // positive sizes, query heads a multiple of the KV heads
+};
+
 Tensor decoder_layers(Tensor hidden, const Tensor& cos, const Tensor& sin, const Tensor& slot_mapping,
-                      std::vector<int64_t> decode_start, std::vector<int64_t> decode_end,
-                      std::vector<Tensor> decode_tables, std::vector<Tensor> decode_context_lens,
-                      std::vector<int64_t> prefill_start,
-                      std::vector<int64_t> prefill_end, std::vector<int64_t> prefill_context,
-                      std::vector<Tensor> prefill_tables, std::vector<std::optional<Tensor>> prefill_masks,
-                      const std::vector<Tensor>& input_norm, const std::vector<Tensor>& qkv,
-                      const std::vector<Tensor>& qkv_bias, const std::vector<Tensor>& o_proj,
-                      const std::vector<Tensor>& post_norm, const std::vector<Tensor>& gate_up,
-                      const std::vector<Tensor>& down, const Tensor& key_cache, const Tensor& value_cache,
-                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale);
+                      const StepPlan& plan, const LayerWeights& weights, const Tensor& key_cache,
+                      const Tensor& value_cache, const ModelDims& dims);

@@ -16,24 +16,43 @@ static Tensor gather(const Tensor& cache, const Tensor& block_tables) {
       .transpose(1, 2);
 }
 
-// engine/attention.py's paged_attention, op for op. Decode groups: starts/ends/tables/context lengths;
-// prefill chunks: the same fields (a chunk's table is [blocks]; no mask: nothing cached before the chunk).
-struct Batch {
-  std::vector<int64_t> decode_start, decode_end;
-  std::vector<Tensor> decode_tables, decode_context_lens;
-  std::vector<int64_t> prefill_start, prefill_end, prefill_context;
-  std::vector<Tensor> prefill_tables;
-  std::vector<std::optional<Tensor>> prefill_masks;
-};
+void StepPlan::check() const {
+  const size_t groups = decode_start.size(), chunks = prefill_start.size();
+  TORCH_CHECK(decode_end.size() == groups && decode_tables.size() == groups && decode_context_lens.size() == groups,
+              "StepPlan: the decode lists differ in length");
+  TORCH_CHECK(prefill_end.size() == chunks && prefill_context.size() == chunks && prefill_tables.size() == chunks &&
+                  prefill_masks.size() == chunks,
+              "StepPlan: the prefill lists differ in length");
+  for (size_t g = 0; g < groups; ++g)
+    TORCH_CHECK(decode_start[g] < decode_end[g], "StepPlan: decode group ", g, " is empty or reversed");
+  for (size_t c = 0; c < chunks; ++c)
+    TORCH_CHECK(prefill_start[c] < prefill_end[c], "StepPlan: prefill chunk ", c, " is empty or reversed");
+}
 
-static Tensor decode_group(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache, const Batch& b,
+void LayerWeights::check() const {
+  const size_t layers = qkv.size();
+  TORCH_CHECK(layers > 0, "LayerWeights: no layers");
+  for (const auto* list : {&input_norm, &o_proj, &post_norm, &gate_up, &down})
+    TORCH_CHECK(list->size() == layers, "LayerWeights: a list holds ", list->size(), " layers, qkv ", layers);
+  TORCH_CHECK(qkv_bias.empty() || qkv_bias.size() == layers, "LayerWeights: qkv_bias must be empty or one per layer");
+}
+
+void ModelDims::check() const {
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_dim > 0, "ModelDims: sizes must be positive");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "ModelDims: num_heads must be a multiple of num_kv_heads");
+}
+
+// engine/attention.py's paged_attention, op for op. Decode groups: starts/ends/tables/context lengths; prefill
+// chunks: the same fields (a chunk's table is [blocks]; no mask: nothing cached before the chunk).
+
+static Tensor decode_group(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache, const StepPlan& b,
                            size_t g, double scale) {
   return decode_attention(query.slice(0, b.decode_start[g], b.decode_end[g]), key_cache, value_cache,
                           b.decode_tables[g], b.decode_context_lens[g], scale);
 }
 
 static Tensor paged_attention(const Tensor& query, const Tensor& key, const Tensor& value, const Tensor& key_cache,
-                              const Tensor& value_cache, const Batch& b, double scale) {
+                              const Tensor& value_cache, const StepPlan& b, double scale) {
   if (b.decode_start.size() == 1 && b.prefill_start.empty())
     return decode_group(query, key_cache, value_cache, b, 0, scale);
   Tensor out = at::empty_like(query);
@@ -67,33 +86,23 @@ static Tensor paged_attention(const Tensor& query, const Tensor& key, const Tens
 
 // LlamaModel.forward's layer loop (engine/model.py), op for op.
 Tensor decoder_layers(Tensor hidden, const Tensor& cos, const Tensor& sin, const Tensor& slot_mapping,
-                      std::vector<int64_t> decode_start, std::vector<int64_t> decode_end,
-                      std::vector<Tensor> decode_tables, std::vector<Tensor> decode_context_lens,
-                      std::vector<int64_t> prefill_start,
-                      std::vector<int64_t> prefill_end, std::vector<int64_t> prefill_context,
-                      std::vector<Tensor> prefill_tables, std::vector<std::optional<Tensor>> prefill_masks,
-                      const std::vector<Tensor>& input_norm, const std::vector<Tensor>& qkv,
-                      const std::vector<Tensor>& qkv_bias, const std::vector<Tensor>& o_proj,
-                      const std::vector<Tensor>& post_norm, const std::vector<Tensor>& gate_up,
-                      const std::vector<Tensor>& down, const Tensor& key_cache, const Tensor& value_cache,
-                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
-  const Batch b{std::move(decode_start), std::move(decode_end), std::move(decode_tables),
-                std::move(decode_context_lens), std::move(prefill_start), std::move(prefill_end),
-                std::move(prefill_context), std::move(prefill_tables), std::move(prefill_masks)};
+                      const StepPlan& b, const LayerWeights& w, const Tensor& key_cache, const Tensor& value_cache,
+                      const ModelDims& dims) {
   const int64_t tokens = hidden.size(0);
-  const int64_t q_size = num_heads * head_dim;
-  for (size_t i = 0; i < qkv.size(); ++i) {
-    Tensor x = rms_norm(hidden, input_norm[i], eps);
+  const int64_t q_size = dims.num_heads * dims.head_dim;
+  for (size_t i = 0; i < w.qkv.size(); ++i) {
+    Tensor x = rms_norm(hidden, w.input_norm[i], dims.eps);
     std::optional<Tensor> bias;
-    if (!qkv_bias.empty()) bias = qkv_bias[i];
+    if (!w.qkv_bias.empty()) bias = w.qkv_bias[i];
     Tensor layer_keys = key_cache.select(0, static_cast<int64_t>(i));
     Tensor layer_values = value_cache.select(0, static_cast<int64_t>(i));
-    auto qkv_rotated = rotary_cache_write(small_batch_linear(x, qkv[i], bias, std::nullopt), cos, sin, slot_mapping,
-                                          layer_keys, layer_values, num_heads, num_kv_heads, head_dim);
-    Tensor attn = paged_attention(qkv_rotated[0], qkv_rotated[1], qkv_rotated[2], layer_keys, layer_values, b, scale);
-    hidden = small_batch_linear(attn.view({tokens, q_size}), o_proj[i], std::nullopt, hidden);
-    x = rms_norm(hidden, post_norm[i], eps);
-    hidden = small_batch_linear(silu_and_mul(small_batch_linear(x, gate_up[i], std::nullopt, std::nullopt)), down[i],
+    auto qkv_rotated = rotary_cache_write(small_batch_linear(x, w.qkv[i], bias, std::nullopt), cos, sin, slot_mapping,
+                                          layer_keys, layer_values, dims.num_heads, dims.num_kv_heads, dims.head_dim);
+    Tensor attn = paged_attention(qkv_rotated[0], qkv_rotated[1], qkv_rotated[2], layer_keys, layer_values, b,
+                                  dims.scale);
+    hidden = small_batch_linear(attn.view({tokens, q_size}), w.o_proj[i], std::nullopt, hidden);
+    x = rms_norm(hidden, w.post_norm[i], dims.eps);
+    hidden = small_batch_linear(silu_and_mul(small_batch_linear(x, w.gate_up[i], std::nullopt, std::nullopt)), w.down[i],
                                 std::nullopt, hidden);
   }
   return hidden;
