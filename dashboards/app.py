@@ -20,6 +20,7 @@ from dashboards.results import (FormatError, find_folders, in_window, load_sweep
                                 read_request_records, read_steps, workload_name)
 from dashboards.study import StudyUnavailable, TrialRow, load_study, open_storage, study_names
 from slotune import result_files as files
+from tuner.search.trial_record import StudyRecord
 
 PAGES = [("/curves", "Curves"), ("/study", "Study"), ("/live", "Live"), ("/trial", "Trial detail"),
          ("/controller", "Controller")]
@@ -158,14 +159,15 @@ def study_body(settings: DashboardSettings, name: str | None) -> list[Any]:
         study = load_study(settings.storage, name)
     except StudyUnavailable as error:
         return [notice(str(error), "study-empty")]
-    slo = study.user_attrs.get("slo") or {}
+    asked = StudyRecord.from_attrs(study.user_attrs)
+    slo = asked.slo or {}
     rows = [[r.number, r.state, fmt(r.value), fmt(r.feasible), fmt(r.throughput), fmt(r.tbt_p99, 1000),
              ", ".join(f"{k}={v}" for k, v in r.params.items()), ("simulated " if r.simulated else "") +
              (r.reason or ""), r.evidence, _trial_link(r, settings)] for r in study.rows]
     completed = sum(r.state == "COMPLETE" for r in study.rows)
     info = (f"{len(study.rows)} trials ({completed} completed, {sum(r.feasible for r in study.rows)} feasible); "
-            f"objective: {study.user_attrs.get('objective', 'goodput')} ({study.direction}); workload "
-            f"{workload_name(study.user_attrs.get('workload')) or '?'}, rate {fmt(study.user_attrs.get('rate'))} "
+            f"objective: {asked.objective if asked.objective is not None else 'goodput'} ({study.direction}); "
+            f"workload {workload_name(asked.workload) or '?'}, rate {fmt(asked.rate)} "
             f"req/s; SLO p99 TBT {fmt(slo.get('tbt_p99'), 1000)} ms")
     return [html.P(info, className="info"),
             graph("study-history", figures.history_figure(study.rows, study.direction)),

@@ -1,7 +1,8 @@
 """Reading the tuner's Optuna studies (read-only: the dashboard never creates a storage or a study).
 
-Trials carry the user attrs the tuner writes ("knobs", "summary", "step_stats", "feasible", "reason",
-"trial_dir", "simulated"); feasibility falls back to Optuna's "constraints" system attr (all <= 0: feasible)."""
+Trials carry the user attrs the tuner writes (tuner.search.trial_record.TrialRecord: "knobs", "summary",
+"feasible", "reason", "trial_dir", "simulated", "capacity", ...); feasibility falls back to Optuna's "constraints"
+system attr (all <= 0: feasible)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+
+from tuner.search.trial_record import CONSTRAINTS_ATTR, TrialRecord
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -96,30 +99,30 @@ def _number(x: Any) -> float | None:
 def constraints(trial: optuna.trial.FrozenTrial) -> list[float]:
     """The trial's constraint values: a list under "constraints" (Optuna's constraints_func; the tuner also keeps
     it as a user attr) and/or one value per "constraints:<name>" (Optuna 5's Trial.set_constraint)."""
-    values = list(trial.system_attrs.get("constraints") or trial.user_attrs.get("constraints") or [])
+    values = list(trial.system_attrs.get(CONSTRAINTS_ATTR) or TrialRecord.from_trial(trial).constraints or [])
     values += [float(v) for k, v in trial.system_attrs.items() if k.startswith("constraints:")]
     return values
 
 
 def trial_row(trial: optuna.trial.FrozenTrial) -> TrialRow:
-    attrs = trial.user_attrs
-    summary = attrs.get("summary") or {}
-    if "feasible" in attrs:
-        feasible = bool(attrs["feasible"])
+    record = TrialRecord.from_trial(trial)
+    summary = record.summary or {}
+    if record.feasible is not None:
+        feasible = record.feasible
     else:
         feasible = trial.state == optuna.trial.TrialState.COMPLETE and all(c <= 0 for c in constraints(trial))
     value = trial.values[0] if trial.values else None
     return TrialRow(number=trial.number, state=trial.state.name, value=_number(value), started=trial.datetime_start,
                     completed=trial.datetime_complete, params=dict(trial.params), feasible=feasible,
-                    reason=attrs.get("reason"), throughput=_number(summary.get("output_tokens_per_s")),
+                    reason=record.reason, throughput=_number(summary.get("output_tokens_per_s")),
                     tbt_p99=_number(summary.get("tbt_p99")), ttft_p99=_number(summary.get("ttft_p99")),
-                    trial_dir=attrs.get("trial_dir"), simulated=bool(attrs.get("simulated")),
-                    knobs=dict(attrs.get("knobs") or {}), evidence=evidence_text(attrs))
+                    trial_dir=record.trial_dir, simulated=record.simulated,
+                    knobs=dict(record.knobs or {}), evidence=evidence_text(trial.user_attrs))
 
 
 def evidence_text(attrs: dict[str, Any]) -> str:
     """``capacity 2.1 req/s (bracket 2.1-2.4, 4 probes) | at it: attainment 94% (88-98) met, ...`` ("" without)."""
-    cap = attrs.get("capacity") or {}
+    cap = TrialRecord.from_attrs(attrs).capacity or {}
     if not cap:
         return ""
     return str(cap.get("describe") or "") + (f" | at it: {cap['at_capacity']}" if cap.get("at_capacity") else "")
@@ -128,7 +131,6 @@ def evidence_text(attrs: dict[str, Any]) -> str:
 def load_study(storage_url: str, name: str | None = None) -> StudyData:
     """The study `name` (default: the most recently created one) with its trials and importances."""
     from dashboards.analysis import param_importances
-    from tuner.search.study import SURPLUS_ATTR
 
     storage = open_storage(storage_url)
     names = study_names(storage)
@@ -139,6 +141,6 @@ def load_study(storage_url: str, name: str | None = None) -> StudyData:
     elif name not in names:
         raise StudyUnavailable(f"no study named {name!r} in {storage_url}; studies: {', '.join(names)}")
     study = optuna.load_study(study_name=name, storage=storage)
-    rows = [trial_row(t) for t in study.get_trials(deepcopy=False) if not t.user_attrs.get(SURPLUS_ATTR)]
+    rows = [trial_row(t) for t in study.get_trials(deepcopy=False) if not TrialRecord.from_trial(t).surplus]
     return StudyData(name=name, direction=study.directions[0].name.lower(), user_attrs=dict(study.user_attrs),
                      rows=rows, importances=param_importances(study))

@@ -14,6 +14,7 @@ from engine.knobs import KNOBS, flag_words, short_knobs
 from slotune.slo import SLO
 from slotune.units import format_duration
 from tuner.search.study import feasible, measured
+from tuner.search.trial_record import TrialRecord
 
 HF_NAMES = {"SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 MEASURE_KEYS = ("goodput_rps", "goodput_tokens_per_s", "attainment", "tbt_p50", "tbt_p99", "ttft_p50", "ttft_p99",
@@ -92,16 +93,21 @@ def write_tuned_yaml(path: Path, *, knobs: dict[str, Any], slo: dict[str, Any], 
         "model": model,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "study": {"name": study_name, "storage": storage, "trials": trials, "best_trial": tuned.number},
-        "tuned": {"trial": tuned.number, "value": tuned.values[0], **measurement(tuned.user_attrs.get("summary"))},
+        "tuned": {"trial": tuned.number, "value": tuned.values[0],
+                  **measurement(TrialRecord.from_trial(tuned).summary)},
         "tuned_remeasured": measurement(remeasured) if remeasured else None,
-        "default": None if default is None else {
-            "trial": default.number, "value": default.values[0], "feasible": bool(default.user_attrs.get("feasible")),
-            "reason": default.user_attrs.get("reason"), "knobs": default.user_attrs.get("knobs"),
-            **measurement(default.user_attrs.get("summary"))},
+        "default": None if default is None else _default_section(default),
         "vllm_serve": vllm,
         "report": str(report),
     }
     _write_yaml(path, doc)
+
+
+def _default_section(default: optuna.trial.FrozenTrial) -> dict[str, Any]:
+    """tuned.yaml's section on the default config's trial."""
+    record = TrialRecord.from_trial(default)
+    return {"trial": default.number, "value": default.values[0], "feasible": bool(record.feasible),
+            "reason": record.reason, "knobs": record.knobs, **measurement(record.summary)}
 
 
 def _write_yaml(path: Path, doc: dict[str, Any]) -> None:
@@ -141,8 +147,7 @@ def write_report(path: Path, study: optuna.Study, slo: dict[str, Any], title: st
                                  marker=dict(color=color, size=10, symbol="circle" if ok else "x"), name=name,
                                  text=text, hoverinfo="text", legendgroup=name), row=1, col=1)
         fig.add_trace(go.Scatter(x=[t.values[0] for t in sel],
-                                 y=[(t.user_attrs.get("summary") or {}).get("tbt_p99", None) and
-                                    t.user_attrs["summary"]["tbt_p99"] * 1000 for t in sel],
+                                 y=[_tbt_ms(t) for t in sel],
                                  mode="markers", marker=dict(color=color, size=10, symbol="circle" if ok else "x"),
                                  name=name, text=text, hoverinfo="text", legendgroup=name, showlegend=False),
                       row=1, col=2)
@@ -172,20 +177,28 @@ def _esc(s: Any) -> str:
     return str(s).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
+def _tbt_ms(t: optuna.trial.FrozenTrial) -> Any:
+    """The trial's p99 TBT in ms (its falsy value, None or 0, as it is)."""
+    tbt = (TrialRecord.from_trial(t).summary or {}).get("tbt_p99", None)
+    return tbt and tbt * 1000
+
+
 def _hover(t: optuna.trial.FrozenTrial) -> str:
-    s = t.user_attrs.get("summary") or {}
-    return (f"#{t.number} {short_knobs(t.user_attrs.get('knobs', {}))}<br>value {t.values[0]:.3f}"
-            f"<br>p99 TBT {format_duration(s.get('tbt_p99'))}<br>{t.user_attrs.get('reason') or 'feasible'}")
+    record = TrialRecord.from_trial(t)
+    s = record.summary or {}
+    return (f"#{t.number} {short_knobs(record.knobs if record.knobs is not None else {})}<br>value "
+            f"{t.values[0]:.3f}<br>p99 TBT {format_duration(s.get('tbt_p99'))}<br>{record.reason or 'feasible'}")
 
 
 def _row(t: optuna.trial.FrozenTrial) -> str:
-    s = t.user_attrs.get("summary") or {}
+    record = TrialRecord.from_trial(t)
+    s = record.summary or {}
     att = s.get("attainment")
-    cap = t.user_attrs.get("capacity") or {}
-    cells = [t.number, t.user_attrs.get("role", "search"), short_knobs(t.user_attrs.get("knobs", {})),
+    cap = record.capacity or {}
+    cells = [t.number, record.role_or_search, short_knobs(record.knobs if record.knobs is not None else {}),
              cap.get("describe") or f"{t.values[0]:.3f}", format_duration(s.get("tbt_p99")),
              format_duration(s.get("ttft_p99")), "-" if att is None else f"{att:.0%}",
-             "yes" if feasible(t) else t.user_attrs.get("reason"), cap.get("at_capacity") or ""]
+             "yes" if feasible(t) else record.reason, cap.get("at_capacity") or ""]
     return "<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in cells) + "</tr>"
 
 

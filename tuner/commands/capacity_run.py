@@ -34,6 +34,7 @@ from tuner.search.rescreen import Rescreen, rescale_text, speed_scale
 from tuner.search.screening import (SCREEN_DRAWS, SCREEN_REDRAWN, engine_dtype, load_profile, screen_capacity,
                                     sim_runner_like)
 from tuner.search.study import ROLE_DEFAULT, TrialReport, longest_trial_s, measured, run_trials, starts_in_time
+from tuner.search.trial_record import TrialRecord, capacity_prediction, simulator_vs_engine_attrs, stamp
 from tuner.trials import arrangement
 from tuner.trials.engine_handle import ConfigRejected, EngineError
 from tuner.trials.trial_runner import TrialRunner
@@ -123,7 +124,7 @@ class CapacityRun:
     def trial_line(self, r: TrialReport) -> None:
         names = [k.name for k in self.p.search_space]
         knobs = "default config" if r.role == ROLE_DEFAULT else short_knobs(r.outcome.knobs, names)
-        cap = self.study.trials[r.number].user_attrs.get("capacity") or {}
+        cap = TrialRecord.from_trial(self.study.trials[r.number]).capacity or {}
         high = (cap.get("bracket") or [None, None])[1]
         shown = Shown(*(lambda b: (b[0] or 0.0, math.inf if b[1] is None else b[1]))(
             (cap.get("shown") or {}).get("bracket") or [0.0, None]), self.p.measurement.level)
@@ -166,8 +167,7 @@ class CapacityRun:
                     f"{short_knobs(c.knobs, names)} " + "/".join(f"{v:.3g}" for v in c.capacities)
                     for c in ranked[:top]) + " req/s")
             # the search starts at the typical draw's capacity, as one engine search sees one draw
-            return [(c.params, {"screen_predicted_capacity": c.typical, "screen_capacities": c.capacities,
-                               "screen_bound": c.bound}) for c in ranked]
+            return [(c.params, capacity_prediction(c.typical, c.capacities, c.bound)) for c in ranked]
 
         rescreen = Rescreen(None if isinstance(self.runner, SimTrialRunner)
                             else load_profile(dtype=engine_dtype(self.runner)), rank, top=top,
@@ -195,7 +195,7 @@ class CapacityRun:
         """The default config's searched capacity (0 while unknown): the verdict measures near it, and below
         1 req/s its windows are longer."""
         return next((float(t.values[0]) for t in measured(self.study)
-                     if t.user_attrs.get("role") == ROLE_DEFAULT and t.values), 0.0)
+                     if TrialRecord.from_trial(t).role == ROLE_DEFAULT and t.values), 0.0)
 
     def switching_plan(self) -> VerdictPlan:
         """The verdict's plan, with the mean start (and warm-up) of a server per configuration as the cost of each
@@ -218,19 +218,20 @@ class CapacityRun:
         """The default config and the best candidates by searched capacity. No search probe is pooled into the
         verdict: the searches ran in windows from an idle engine and the candidates were picked for how theirs went
         (the winner's curse); the verdict's claims rest on its own sustained measurements on fresh draws."""
-        trials = [t for t in measured(self.study) if "capacity" in t.user_attrs]
-        default = next(t for t in trials if t.user_attrs.get("role") == ROLE_DEFAULT)
-        others = sorted((t for t in trials if t.user_attrs.get("role") != ROLE_DEFAULT and t.values[0] > 0),
+        rec = {t.number: TrialRecord.from_trial(t) for t in measured(self.study)}
+        trials = [t for t in measured(self.study) if rec[t.number].capacity is not None]
+        default = next(t for t in trials if rec[t.number].role == ROLE_DEFAULT)
+        others = sorted((t for t in trials if rec[t.number].role != ROLE_DEFAULT and t.values[0] > 0),
                         key=lambda t: -t.values[0])[:self.p.verdict.candidates]
 
         def high(t: optuna.trial.FrozenTrial) -> float:
-            h = (t.user_attrs["capacity"].get("bracket") or [None, None])[1]
+            h = ((rec[t.number].capacity or {}).get("bracket") or [None, None])[1]
             return math.inf if h is None else float(h)
 
-        d = Contender(DEFAULT, dict(default.user_attrs["knobs"]), default.values[0], search_high=high(default))
+        d = Contender(DEFAULT, dict(rec[default.number].knobs or {}), default.values[0], search_high=high(default))
         # a candidate's searched capacity is the best of the searched configs on one draw: its verdict starts below
         # it, where fresh draws are likely to show it served (verdict.first_rate)
-        return d, [Contender(f"candidate {i + 1} (trial #{t.number})", dict(t.user_attrs["knobs"]), t.values[0],
+        return d, [Contender(f"candidate {i + 1} (trial #{t.number})", dict(rec[t.number].knobs or {}), t.values[0],
                              search_high=high(t), next_rate=first_rate(t.values[0], d.search_high, self.plan.step))
                    for i, t in enumerate(others)]
 
@@ -275,12 +276,14 @@ class CapacityRun:
         report = self.s.out.with_suffix(".html")
         names = [k.name for k in self.p.search_space]
         lines, undecided = [], False
-        for t in (t for t in measured(self.study) if "capacity" in t.user_attrs):
-            cap = t.user_attrs["capacity"]
+        for t in measured(self.study):
+            record = TrialRecord.from_trial(t)
+            cap = record.capacity
+            if cap is None:
+                continue
             probes = sorted(cap.get("probes") or [], key=lambda m: -m["rate"])
             undecided |= any(m["verdict"] == "undecided" for m in probes)
-            who = "default config" if t.user_attrs.get("role") == ROLE_DEFAULT else short_knobs(t.user_attrs["knobs"],
-                                                                                                  names)
+            who = "default config" if record.role == ROLE_DEFAULT else short_knobs(record.knobs or {}, names)
             lines.append(f"  #{t.number} {who}: " + ", ".join(f"{m['verdict']} at {m['rate']:.3g} req/s"
                                                                for m in probes) + f" ({cap.get('stopped')})")
             lowest = probes[-1] if probes else None
@@ -322,9 +325,9 @@ class CapacityRun:
         if self.s.engine_name != "slotune":
             return None
         summary = simulator_error(rows)
-        self.study.set_user_attr("simulator_vs_engine", {**summary, "rows": [
+        stamp(self.study, simulator_vs_engine_attrs({**summary, "rows": [
             {k: r[k] for k in ("trial", "knobs", "measured", "bracket", "twin", "twin_bracket", "predicted")}
-            for r in rows]})
+            for r in rows]}))
         say(f"{PROG}: {error_words(summary)}")
         return summary
 

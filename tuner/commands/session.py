@@ -28,6 +28,8 @@ from tuner.simulation.step_time_model import StepTimeModel
 from tuner.search.study import (ROLE_DEFAULT, TrialReport, best_trial, closest_trial, counted_trials,
                          default_trial, enqueue_default, open_study, recover_orphans, run_trials,
                          study_name_for)
+from tuner.search.trial_record import (StudyRecord, TrialRecord, design_seed_attrs, goodput_prediction, rate_attrs,
+                                       stamp, study_attrs)
 from tuner.measure.measurement import Draws
 from tuner.trials.trial_runner import TrialOutcome, TrialRunner
 
@@ -129,10 +131,8 @@ class TuneSession:
             return self.run_capacity(study, runner, model)
         rate, rate_reason = self.choose_rate(study, runner)
         runner.rate = rate
-        attrs = {"slo": p.slo.as_dict(), "workload": p.workload.as_dict(), "rate": rate, "rate_reason": rate_reason,
-                 "objective": p.objective, "model": model, "policy": p.to_dict()}
-        for k, v in attrs.items():
-            study.set_user_attr(k, v)
+        stamp(study, {**study_attrs(slo=p.slo.as_dict(), workload=p.workload.as_dict(), objective=p.objective,
+                                    model=model, policy=p.to_dict()), **rate_attrs(rate, rate_reason)})
         recovered = recover_orphans(study)
         if recovered:
             say(f"{PROG}: trial(s) {', '.join(map(str, recovered))} of a run that died are marked failed and redone")
@@ -162,11 +162,11 @@ class TuneSession:
     def run_capacity(self, study: optuna.Study, runner: TrialRunner, model: str | None) -> int:
         """The default objective: capacity per config, the paired verdict (tuner/commands/capacity_run.py)."""
         p = self.policy
-        for k, v in {"slo": p.slo.as_dict(), "workload": p.workload.as_dict(), "objective": p.objective,
-                     "model": model, "policy": p.to_dict()}.items():
-            study.set_user_attr(k, v)
-        self.design_seed = int(study.user_attrs.get("design_seed", self.design_seed))
-        study.set_user_attr("design_seed", self.design_seed)
+        stamp(study, study_attrs(slo=p.slo.as_dict(), workload=p.workload.as_dict(), objective=p.objective,
+                                 model=model, policy=p.to_dict()))
+        stored = StudyRecord.from_study(study).design_seed
+        self.design_seed = int(stored) if stored is not None else self.design_seed
+        stamp(study, design_seed_attrs(self.design_seed))
         recovered = recover_orphans(study)
         if recovered:
             say(f"{PROG}: trial(s) {', '.join(map(str, recovered))} of a run that died are marked failed and redone")
@@ -218,7 +218,7 @@ class TuneSession:
                 say(f"{PROG}: screened {len(ranked)} configs in {format_duration(time.monotonic() - t0)}: {feasible} "
                     f"predicted feasible; the best {min(CONFIRMED, len(ranked))} are the next trials, each the best "
                     f"at the engine's speed after the trials before it (ranking: {self.trials_dir / 'screen.json'})")
-            return [(s.params, {"screen_predicted": predicted(s.outcome)}) for s in ranked]
+            return [(s.params, goodput_prediction(predicted(s.outcome))) for s in ranked]
 
         rescreen = Rescreen(load_profile(dtype=engine_dtype(runner)), rank, top=CONFIRMED)
         self.rescreen = rescreen
@@ -235,9 +235,9 @@ class TuneSession:
         return on_trial
 
     def choose_rate(self, study: optuna.Study, runner: TrialRunner) -> tuple[float, str]:
-        stored = study.user_attrs.get("rate")
-        if stored is not None:
-            return float(stored), str(study.user_attrs.get("rate_reason", "")) + " (from the resumed study)"
+        stored = StudyRecord.from_study(study)
+        if stored.rate is not None:
+            return float(stored.rate), str(stored.rate_reason or "") + " (from the resumed study)"
         if self.policy.rate is not None:
             return self.policy.rate, "given (--rate or the policy)"
         say(f"{PROG}: --rate auto: probing the default config ...")
@@ -286,10 +286,11 @@ class TuneSession:
                  f"{rate:.3g} req/s; rate: {rate_reason}"] + self.screened_lines(study)
         if best is None:
             return self.none_met(study, report, title, lines, rate)
-        knobs = dict(best.user_attrs["knobs"])
+        tuned = TrialRecord.from_trial(best)
+        knobs = dict(tuned.knobs or {})
         say(f"{PROG}: best: trial #{best.number} {short_knobs(knobs)}: {p.objective} {best.values[0]:.2f} req/s"
             + (f" vs default {default.values[0]:.2f}" if default is not None else ""))
-        confirm = self.remeasure(runner, knobs, best.user_attrs.get("rate") or rate)
+        confirm = self.remeasure(runner, knobs, tuned.rate or rate)
         vllm_path = self.out.with_suffix(".vllm.txt")
         kind = self.kind.name if self.kind is not None else "slotune"
         vllm = write_vllm(vllm_path, knobs, model, kind)
@@ -331,8 +332,9 @@ class TuneSession:
         n = sum(t.state != TrialState.WAITING for t in study.get_trials(deepcopy=False))
         msg = f"{PROG}: no config met the SLO ({self.slo_text()}) in {n} trial{'s' * (n != 1)} at {rate:.3g} req/s."
         if closest is not None:
+            near = TrialRecord.from_trial(closest)
             msg += (f"\n  closest (infeasible): trial #{closest.number} "
-                    f"{short_knobs(closest.user_attrs.get('knobs', {}))}: {closest.user_attrs.get('reason')}")
+                    f"{short_knobs(near.knobs if near.knobs is not None else {})}: {near.reason}")
         msg += (f"\n  try a looser target, a lower --rate, or more --trials; report: {report}")
         print(msg, file=sys.stderr)
         return 1
@@ -351,17 +353,17 @@ class TuneSession:
         return confirm
 
     def say_against_default(self, best: optuna.trial.FrozenTrial, default: optuna.trial.FrozenTrial) -> None:
-        d = default.user_attrs.get("summary", {})
+        d = TrialRecord.from_trial(default).summary
         if not d:
             return
         ratio = best.values[0] / default.values[0] if default.values[0] > 0 else None
         say(f"  {self.policy.objective} tuned {best.values[0]:.2f} req/s vs default {default.values[0]:.2f} req/s"
             + (f" ({ratio:.2f}x)" if ratio else "") + f"; p99 TBT tuned "
-            f"{format_duration(best.user_attrs['summary'].get('tbt_p99'))} vs default "
+            f"{format_duration((TrialRecord.from_trial(best).summary or {}).get('tbt_p99'))} vs default "
             f"{format_duration(d.get('tbt_p99'))}")
 
 
 def _as_outcome(t: optuna.trial.FrozenTrial) -> TrialOutcome:
-    a = t.user_attrs
-    return TrialOutcome(a.get("knobs", {}), a.get("summary", {}), a.get("step_stats", {}), bool(a.get("feasible")),
-                        a.get("reason"), None)
+    a = TrialRecord.from_trial(t)
+    return TrialOutcome(a.knobs if a.knobs is not None else {}, a.summary if a.summary is not None else {},
+                        a.step_stats if a.step_stats is not None else {}, bool(a.feasible), a.reason, None)

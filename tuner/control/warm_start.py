@@ -10,6 +10,7 @@ import optuna
 from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.search.study import best_trial, open_storage
+from tuner.search.trial_record import TrialRecord
 
 MAX_STUDIES = 8  # the most recent studies read
 
@@ -44,8 +45,9 @@ def best_knobs(storage_spec: str) -> tuple[list[dict[str, Any]], str | None]:
         for summary in sorted(summaries, key=lambda s: s.datetime_start.timestamp() if s.datetime_start else 0.0,
                               reverse=True)[:MAX_STUDIES]:
             best = best_trial(optuna.load_study(study_name=summary.study_name, storage=storage))
-            if best is not None and isinstance(best.user_attrs.get("knobs"), dict):
-                out.append(dict(best.user_attrs["knobs"]))
+            knobs = TrialRecord.from_trial(best).knobs if best is not None else None
+            if knobs is not None:
+                out.append(dict(knobs))
         return out, None
     except (SQLAlchemyError, OSError, ValueError, KeyError, RuntimeError) as error:
         return [], str(error)

@@ -33,6 +33,7 @@ from tuner.measure.capacity import Capacity, Shown, capacity_searcher, measureme
 from tuner.measure.measurement import TARGET_SHARE, figures, segment_seed, window_records
 from tuner.measure.statistics import DEFAULT_LEVEL
 from tuner.search.study import measured
+from tuner.search.trial_record import TrialRecord
 from tuner.trials.trial_backend import TrialBackend
 from slotune import result_files as files
 
@@ -144,20 +145,21 @@ def confirmed_rows(study: optuna.Study, sim: TrialBackend, policy: Policy, out_d
     else None."""
     rows = []
     for t in measured(study):
-        if "capacity" not in t.user_attrs:
+        record = TrialRecord.from_trial(t)
+        if record.capacity is None:
             continue
-        searched = t.user_attrs["capacity"]
-        knobs = dict(t.user_attrs.get("knobs") or {})
+        searched = record.capacity
+        knobs = dict(record.knobs or {})
         engine: Bracket = list(searched.get("bracket") or [t.values[0], None])
-        folder = t.user_attrs.get("steps_dir")
+        folder = record.steps_dir
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the screen warned of the profile's range once already
             twin = twin_search(sim, policy, knobs, searched, out_dir / f"trial-{t.number:04d}")
             windows, replayed = same_windows(sim, policy, knobs, searched, Path(folder),
                                              out_dir / f"trial-{t.number:04d}-windows") if folder else ([], [0.0, None])
         twin_bracket = twin.bracket
-        predicted, got = t.user_attrs.get("screen_predicted_capacity"), t.values[0]
-        rows.append({"trial": t.number, "role": t.user_attrs.get("role"), "knobs": knobs, "measured": got,
+        predicted, got = record.screen_predicted_capacity, t.values[0]
+        rows.append({"trial": t.number, "role": record.role, "knobs": knobs, "measured": got,
                      "bracket": engine,
                      "twin": twin.low, "twin_bracket": twin_bracket,
                      "twin_probes": [[m.rate, m.verdict] for m in twin.probes],

@@ -15,9 +15,9 @@ from policies import Choices, IntRange, Policy
 from tuner.measure.capacity import Capacity, CapacitySearcher
 from tuner.measure.measurement import MACHINERY_RETRIES, machinery_failure
 from tuner.trials.trial_backend import TrialBackend
+# CONSTRAINTS_ATTR: the user attr constraints_func reads (Optuna stores its result in system attrs)
+from tuner.search.trial_record import CONSTRAINTS_ATTR as CONSTRAINTS_ATTR, TrialRecord
 from tuner.trials.trial_runner import TrialOutcome, TrialRunner
-
-CONSTRAINTS_ATTR = "constraints"  # the user attr constraints_func reads (Optuna stores its result in system attrs)
 FAILED_VIOLATION = 1.0  # seconds: what a trial with no measurement violates each target by
 CAPACITY_ATTAINMENT = 0.9  # capacity (DistServe's definition) = the highest rate with attainment >= 90 %
 
@@ -56,7 +56,8 @@ def slo_constraints(outcome: TrialOutcome, slo: SLO) -> list[float]:
 
 
 def constraints_func(trial: optuna.trial.FrozenTrial) -> Sequence[float]:
-    return trial.user_attrs.get(CONSTRAINTS_ATTR, [FAILED_VIOLATION])
+    stored = TrialRecord.from_trial(trial).constraints
+    return stored if stored is not None else [FAILED_VIOLATION]
 
 
 def meets_constraints(trial: optuna.trial.FrozenTrial) -> bool:

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import optuna
 
 from tuner.search.screening import CONFIRMED
+from tuner.search.trial_record import ROLE_SCREENED, TrialRecord, screened_attrs
 from tuner.simulation.step_time_model import StepTimeModel
 from slotune import result_files as files
 
@@ -32,9 +33,10 @@ def measured_steps(study: optuna.Study) -> list[dict[str, Any]]:
     trial's folder, all of a capacity trial's probes included), each with its trial's block size."""
     out: list[dict[str, Any]] = []
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-        block_size = (t.user_attrs.get("knobs") or {}).get("block_size")
-        folder = t.user_attrs.get("steps_dir") or t.user_attrs.get("trial_dir")
-        if t.user_attrs.get("simulated") or not folder or block_size is None:
+        record = TrialRecord.from_trial(t)
+        block_size = (record.knobs or {}).get("block_size")
+        folder = record.steps_dir or record.trial_dir
+        if record.simulated or not folder or block_size is None:
             continue
         for path in sorted(Path(folder).rglob(files.STEPS)):
             out += [{**json.loads(line), "block_size": block_size} for line in path.read_text().splitlines()
@@ -120,7 +122,7 @@ class Rescreen:
         reaches the best config's worst draw (indices into the ranking, best first). Only these are worth the
         engine's time: one clearly ahead leaves one, a flat top leaves several. All of them without a margin or
         without the draws' capacities (the goodput screen)."""
-        caps = [c[1].get("screen_capacities") or [] for c in self.ranking]
+        caps = [TrialRecord.from_attrs(c[1]).screen_capacities or [] for c in self.ranking]
         if self.margin is None or not caps or not caps[0]:
             return list(range(len(self.ranking)))
         leader = min(caps[0])
@@ -137,7 +139,7 @@ class Rescreen:
         trials = study.get_trials(deepcopy=False)
         if any(t.state == optuna.trial.TrialState.WAITING for t in trials):
             return False
-        return sum(t.user_attrs.get("role") == "screened" and t.state in _LIVE for t in trials) < self.top
+        return sum(TrialRecord.from_trial(t).role == ROLE_SCREENED and t.state in _LIVE for t in trials) < self.top
 
     def enqueue_next(self, study: optuna.Study) -> Candidate | None:
         """When a screened trial is :meth:`due`: refit, and enqueue the best config of the ranking that the study
@@ -154,12 +156,12 @@ class Rescreen:
         best = [(i, c) for i, c in untried if i in near]
         # a hedge against the simulator's error in one latency: when every config searched so far was bound by one
         # target, the best config (of those ranked near the top) that it does not bound
-        bounds = {t.user_attrs.get("screen_bound") or "" for t in live if t.user_attrs.get("role") == "screened"}
-        other = [(i, c) for i, c in untried[:HEDGE_WITHIN]
-                 if len(bounds) == 1 and "" not in bounds and (c[1].get("screen_bound") or "") not in bounds]
+        records = [TrialRecord.from_trial(t) for t in live]
+        bounds = {r.screen_bound or "" for r in records if r.role == ROLE_SCREENED}
+        other = [(i, c) for i, c in untried[:HEDGE_WITHIN] if len(bounds) == 1 and "" not in bounds
+                 and (TrialRecord.from_attrs(c[1]).screen_bound or "") not in bounds]
         for i, (params, prediction) in (other or best)[:1]:
-            study.enqueue_trial(params, user_attrs={"role": "screened", "screen_rank": i + 1,
-                                                    "screen_scale": self.scale, **prediction})
+            study.enqueue_trial(params, user_attrs=screened_attrs(i + 1, prediction, scale=self.scale))
             return params, prediction
         return None
 

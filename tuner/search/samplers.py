@@ -16,11 +16,11 @@ import optuna
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-ROLE_DEFAULT = "default"  # the user attr "role" of the default-config trial (tuner.search.study.enqueue_default)
+from tuner.search.trial_record import ROLE_DEFAULT as ROLE_DEFAULT, TrialRecord
 
 
 def _is_default(trial: FrozenTrial) -> bool:
-    return trial.user_attrs.get("role") == ROLE_DEFAULT and not trial.params
+    return TrialRecord.from_trial(trial).role == ROLE_DEFAULT and not trial.params
 
 
 class StudyWithoutDefaultTrial(optuna.Study):

@@ -23,6 +23,7 @@ from policies import Policy
 from tuner.search.design import screen_design
 from tuner.measure.capacity import capacity_searcher
 from tuner.search.objective import goodput
+from tuner.search.trial_record import ROLE_SCREENED, TrialRecord, goodput_prediction, screened_attrs
 from engine.knobs import short_knobs
 from tuner.simulation.profiles import limits_of, profile_path
 from tuner.simulation.simulator_trial import SimTrialRunner
@@ -190,8 +191,7 @@ def screen(policy: Policy, n: int, runner: SimTrialRunner | TrialRunner, seed: i
     ranked = rank(out)
     if study is not None:
         for i, s in enumerate(ranked[:top]):
-            study.enqueue_trial(s.params, user_attrs={"role": "screened", "screen_rank": i + 1,
-                                                      "screen_predicted": predicted(s.outcome)},
+            study.enqueue_trial(s.params, user_attrs=screened_attrs(i + 1, goodput_prediction(predicted(s.outcome))),
                                 skip_if_exists=True)
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -212,10 +212,11 @@ def screen_report(study: optuna.Study) -> str:
     the study screened nothing)."""
     rows = []
     for t in study.get_trials(deepcopy=False):
-        if t.user_attrs.get("role") != "screened" or "summary" not in t.user_attrs:
+        record = TrialRecord.from_trial(t)
+        if record.role != ROLE_SCREENED or record.summary is None:
             continue
-        p, m = t.user_attrs.get("screen_predicted") or {}, t.user_attrs.get("summary") or {}
-        rows.append((t.user_attrs.get("screen_rank"), t.user_attrs.get("knobs", {}), p, m))
+        rows.append((record.screen_rank, record.knobs if record.knobs is not None else {},
+                     record.screen_predicted or {}, record.summary or {}))
     return format_rows(rows) if rows else ""
 
 

@@ -23,9 +23,10 @@ from optuna.trial import TrialState
 
 from policies import Choices, IntRange, KnobRange, Policy
 from tuner.search.objective import meets_constraints
-
-ROLE_START = "start"  # a trial of the structured start (start_config)
-START_STEP_ATTR = "start_step"  # which part of the start: "line" (max_num_seqs bisection) or "step" (boundary steps)
+# ROLE_START: a trial of the structured start (start_config); its START_STEP_ATTR says which part of the start:
+# "line" (max_num_seqs bisection) or "step" (boundary steps)
+from tuner.search.trial_record import (ROLE_START as ROLE_START, START_STEP_ATTR as START_STEP_ATTR, TrialRecord,
+                                       start_attrs)
 
 
 def startup_trials(policy: Policy) -> int:
@@ -104,7 +105,7 @@ def start_config(study: optuna.Study, policy: Policy) -> tuple[dict[str, Any], s
     values = _ordered_values(line)
     if values is None:
         return None
-    starts = [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("role") == ROLE_START
+    starts = [t for t in study.get_trials(deepcopy=False) if TrialRecord.from_trial(t).role == ROLE_START
               and t.state in (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)]
     if len(starts) >= startup_trials(policy) or any(t.state != TrialState.COMPLETE for t in starts):
         return None
@@ -112,7 +113,7 @@ def start_config(study: optuna.Study, policy: Policy) -> tuple[dict[str, Any], s
     lo, hi = -1, len(values)
     best: optuna.trial.FrozenTrial | None = None
     for t in starts:
-        if t.user_attrs.get(START_STEP_ATTR) != "line" or t.params.get(LINE_KNOB) not in values:
+        if TrialRecord.from_trial(t).start_step != "line" or t.params.get(LINE_KNOB) not in values:
             continue
         i = values.index(t.params[LINE_KNOB])
         if meets_constraints(t):
@@ -150,5 +151,5 @@ def enqueue_start(study: optuna.Study, policy: Policy) -> bool:
     nxt = start_config(study, policy)
     if nxt is None:
         return False
-    study.enqueue_trial(nxt[0], user_attrs={"role": ROLE_START, START_STEP_ATTR: nxt[1]})
+    study.enqueue_trial(nxt[0], user_attrs=start_attrs(nxt[1]))
     return True

@@ -29,14 +29,16 @@ from policies import Policy
 from tuner.search.objective import (CONSTRAINTS_ATTR, Evaluation, constraints_func, evaluate_capacity, evaluate_goodput,
                              meets_constraints, suggest_knobs)
 from tuner.measure.capacity import CapacitySearcher, capacity_searcher
-from tuner.search.samplers import ROLE_DEFAULT, SamplerWithoutDefaultTrial
+from tuner.search.samplers import SamplerWithoutDefaultTrial
 from tuner.search.structured_start import enqueue_start, startup_trials
+# ROLE_DEFAULT, SURPLUS_ATTR: re-exported, where the tuner's commands and tests have imported them from
+from tuner.search.trial_record import (ROLE_DEFAULT as ROLE_DEFAULT, SURPLUS_ATTR as SURPLUS_ATTR, TrialRecord,
+                                       default_attrs, heartbeat_attrs, measured_attrs, owner_attrs, stamp,
+                                       surplus_attrs)
 from tuner.trials.trial_backend import TrialBackend
 from tuner.trials.trial_runner import TrialOutcome, TrialRunner, check_stop
 
 DEFAULT_STORAGE = "sqlite:///tune-study.db"
-# Marks a trial asked past the budget by a racing process and failed at once (the dashboard hides it).
-SURPLUS_ATTR = "surplus"
 # A running trial stamps "heartbeat" (wall-clock seconds) this often; one silent for HEARTBEAT_STALE_S belongs to
 # a tune process that died on another machine (on this machine a dead pid says so at once).
 HEARTBEAT_INTERVAL_S = 15.0
@@ -145,12 +147,12 @@ def recover_orphans(study: optuna.Study, now: float | None = None) -> list[int]:
     host = socket.gethostname()
     now = time.time() if now is None else now
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        pid, owner = t.user_attrs.get("pid"), t.user_attrs.get("host")
-        if owner == host and isinstance(pid, int):
-            dead = not _pid_alive(pid)
+        record = TrialRecord.from_trial(t)
+        if record.host == host and record.pid is not None:
+            dead = not _pid_alive(record.pid)
         else:
-            beat = t.user_attrs.get("heartbeat")
-            if not isinstance(beat, (int, float)):
+            beat = record.heartbeat
+            if beat is None:
                 beat = t.datetime_start.timestamp() if t.datetime_start else now
             dead = now - beat > HEARTBEAT_STALE_S
         if not dead:
@@ -176,7 +178,7 @@ class Heartbeat:
     def _beat(self) -> None:
         while True:
             try:
-                self.trial.set_user_attr("heartbeat", time.time())
+                stamp(self.trial, heartbeat_attrs(time.time()))
             except Exception:  # a storage hiccup must not kill the trial; the next beat retries
                 pass
             if self._stop.wait(self.interval):
@@ -224,18 +226,20 @@ def enqueue_default(study: optuna.Study) -> bool:
     """Enqueue the engine's default config as the study's first trial (again if its run was lost). It asks for no
     params, so samplers (the grid's included) ignore it; its knobs are the runner's base config."""
     live = (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
-    if any(t.user_attrs.get("role") == ROLE_DEFAULT and t.state in live for t in study.get_trials(deepcopy=False)):
+    if any(TrialRecord.from_trial(t).role == ROLE_DEFAULT and t.state in live
+           for t in study.get_trials(deepcopy=False)):
         return False
-    study.enqueue_trial({}, user_attrs={"role": ROLE_DEFAULT})
+    study.enqueue_trial({}, user_attrs=default_attrs())
     return True
 
 
 def feasible(t: optuna.trial.FrozenTrial) -> bool:
-    return bool(t.user_attrs.get("feasible")) and meets_constraints(t)
+    return bool(TrialRecord.from_trial(t).feasible) and meets_constraints(t)
 
 
 def measured(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if "knobs" in t.user_attrs]
+    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if TrialRecord.from_trial(t).measured]
 
 
 def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
@@ -243,17 +247,22 @@ def best_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
     ok = [t for t in measured(study) if feasible(t)]
     if not ok:
         return None
-    return max(ok, key=lambda t: (t.values[0], -(t.user_attrs.get("summary", {}).get("tbt_p99") or 0.0)))
+    return max(ok, key=lambda t: (t.values[0], -(_summary(t).get("tbt_p99") or 0.0)))
+
+
+def _summary(t: optuna.trial.FrozenTrial) -> dict[str, Any]:
+    summary = TrialRecord.from_trial(t).summary
+    return summary if summary is not None else {}
 
 
 def closest_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
     """The infeasible trial nearest to the SLO (smallest total violation), for the 'no config meets it' report."""
-    return min(measured(study), key=lambda t: (sum(max(0.0, c) for c in t.user_attrs.get(CONSTRAINTS_ATTR, [1.0])),
-                                               -t.values[0]), default=None)
+    return min(measured(study), key=lambda t: (sum(max(0.0, c) for c in constraints_func(t)), -t.values[0]),
+               default=None)
 
 
 def default_trial(study: optuna.Study) -> optuna.trial.FrozenTrial | None:
-    return next((t for t in measured(study) if t.user_attrs.get("role") == ROLE_DEFAULT), None)
+    return next((t for t in measured(study) if TrialRecord.from_trial(t).role == ROLE_DEFAULT), None)
 
 
 @dataclass
@@ -298,12 +307,11 @@ def run_trials(study: optuna.Study, runner: TrialRunner | TrialBackend, policy: 
         trial = study.ask()
         if is_surplus(study, trial.number, n_trials):
             # another process took the last slot between our count and our ask: give this one back
-            trial.set_user_attr(SURPLUS_ATTR, True)
+            stamp(trial, surplus_attrs())
             study.tell(trial, state=TrialState.FAIL)
             break
-        trial.set_user_attr("pid", os.getpid())
-        trial.set_user_attr("host", socket.gethostname())
-        role = trial.user_attrs.get("role", "search")
+        stamp(trial, owner_attrs(os.getpid(), socket.gethostname()))
+        role = TrialRecord.from_trial(trial).role_or_search
         knobs = {} if role == ROLE_DEFAULT else suggest_knobs(trial, policy)
         trial_dir = out_dir / f"trial-{trial.number:04d}"
         started = time.monotonic()
@@ -314,16 +322,13 @@ def run_trials(study: optuna.Study, runner: TrialRunner | TrialBackend, policy: 
             study.tell(trial, state=TrialState.FAIL)  # Ctrl-C/fatal error: the slot is run again on resume
             raise
         o = ev.outcome
-        attrs = {"knobs": o.knobs, "summary": o.summary, "step_stats": o.step_stats, "feasible": o.feasible,
-                 "reason": o.reason, "trial_dir": str(o.out_dir) if o.out_dir else "", "simulated": o.simulated,
-                 "steps_dir": str(trial_dir),  # every window of the trial (a capacity trial's probes) lies under it
-                 "pruned": o.pruned, "rate": o.rate, CONSTRAINTS_ATTR: ev.constraints}
-        if ev.probes:
-            attrs["capacity_probes"] = ev.probes
-        if ev.capacity is not None:
-            attrs["capacity"] = ev.capacity.as_dict()
-        for k, v in attrs.items():
-            trial.set_user_attr(k, _jsonable(v))
+        attrs = measured_attrs(knobs=o.knobs, summary=o.summary, step_stats=o.step_stats, feasible=o.feasible,
+                               reason=o.reason, trial_dir=str(o.out_dir) if o.out_dir else "",
+                               simulated=o.simulated, pruned=o.pruned, rate=o.rate, constraints=ev.constraints,
+                               steps_dir=str(trial_dir),  # every window of the trial (a capacity trial's probes)
+                               capacity_probes=ev.probes,
+                               capacity=ev.capacity.as_dict() if ev.capacity is not None else None)
+        stamp(trial, {k: _jsonable(v) for k, v in attrs.items()})
         if policy.sampler in ("random", "grid"):  # samplers without constraints_func: store them as the others do
             trial.storage.set_trial_system_attr(trial._trial_id, CONSTRAINTS_ATTR, ev.constraints)
         if policy.sampler == "nsga2":
@@ -344,7 +349,7 @@ def _evaluate(trial: optuna.Trial, role: str, knobs: dict[str, Any], runner: Tri
     if policy.objective == "capacity":
         # a screened config's search starts at the simulator's predicted capacity, when it has one
         return evaluate_capacity(searcher or capacity_searcher(runner, policy), knobs, trial_dir,
-                                 trial.user_attrs.get("screen_predicted_capacity"))
+                                 TrialRecord.from_trial(trial).screen_predicted_capacity)
     # the default config is the baseline of the report: measured over the whole window
     return evaluate_goodput(runner, knobs, trial_dir, prune=role != ROLE_DEFAULT)
 
