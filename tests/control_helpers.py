@@ -110,10 +110,3 @@ def stop(process: subprocess.Popen[bytes], timeout: float = 30) -> None:
             process.kill()
             process.wait(10)
 
-
-def patch_config(engine_url: str, knobs: dict[str, Any]) -> dict[str, Any]:
-    """PATCH the engine's knobs, unleased (it ends any lease)."""
-    r = httpx.patch(engine_url + "/admin/config", headers=AUTH, json=knobs, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
-

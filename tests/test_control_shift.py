@@ -21,7 +21,6 @@ from control_helpers import (
     TOKEN,
     admin_config,
     assert_nothing_lost,
-    patch_config,
     records,
     start_controller,
     start_traffic,
@@ -55,9 +54,9 @@ def phase_two_rate(url: str) -> float:
     """Requests/s for phase two on this machine; skips where no config in reach would serve it."""
     engine = EngineHandle(url, admin_token=TOKEN)
     two = engine.finishing_rate(2, PHASE_TWO_OUTPUT)
-    patch_config(url, {"max_num_seqs": MOST_SEQUENCES})
+    engine.patch_config({"max_num_seqs": MOST_SEQUENCES})
     many = engine.finishing_rate(MOST_SEQUENCES, PHASE_TWO_OUTPUT)
-    patch_config(url, PHASE_ONE_KNOBS)
+    engine.patch_config(PHASE_ONE_KNOBS)
     rate = PHASE_TWO_LOAD * two
     if many < HEADROOM * rate:
         pytest.skip(f"on this machine {MOST_SEQUENCES} sequences finish {many:.2f} req/s of {PHASE_TWO_OUTPUT}-token "
