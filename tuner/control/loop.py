@@ -31,15 +31,10 @@ from tuner.control.drift import DriftMonitor
 from tuner.control.shape import Shape, shape_of
 from tuner.control.sources import MetricsSource, Scrape, SourceUnavailable
 from tuner.control.triggers import Trigger, first_trigger
-from tuner.control.window import CounterReset, WindowStats, knobs_of, window
+from tuner.control.window import CounterReset, WindowStats, knobs_of, queued, window
 from tuner.trials.engine_handle import ConfigRejected, EngineError
 
 WINDOW_COVER = 0.8  # a trigger window must span at least this share of its length within one config generation
-
-
-def queued(scrape: Scrape) -> int:
-    """Requests in the engine (running, waiting or preempted) at a scrape."""
-    return round(sum(scrape.get(q) for q in names.QUEUES))
 
 
 def service_time(before: WindowStats, found: Search) -> float:

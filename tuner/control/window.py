@@ -222,11 +222,9 @@ def window(before: Scrape, after: Scrape, slo: SLO) -> WindowStats:
         attaining = min(attaining, ttft_ok)
     # A request may finish between the two histogram reads of one scrape: never more attaining than finished.
     finished_n = round(finished)
-    queued = [sum(s.get(q) for q in names.QUEUES)
-              for s in (before, after)]
     return WindowStats(
         start=before.time, end=after.time, finished=finished_n,
-        arrived=max(0, finished_n + round(queued[1] - queued[0])), attaining=min(round(attaining), finished_n),
+        arrived=max(0, finished_n + queued(after) - queued(before)), attaining=min(round(attaining), finished_n),
         tbt_bound=bound,
         prompt_tokens=delta(after.get(names.total(names.PROMPT_TOKENS)), before.get(names.total(names.PROMPT_TOKENS)),
                             "prompt tokens"),
@@ -246,6 +244,11 @@ def _mean_between(before: Scrape, after: Scrape, histogram: str) -> float:
     """The mean of a histogram's observations between two scrapes (nan without any)."""
     count = after.get(names.hist_count(histogram)) - before.get(names.hist_count(histogram))
     return (after.get(names.hist_sum(histogram)) - before.get(names.hist_sum(histogram))) / count if count > 0 else math.nan
+
+
+def queued(scrape: Scrape) -> int:
+    """Requests in the engine (running, waiting or preempted) at a scrape."""
+    return round(sum(scrape.get(q) for q in names.QUEUES))
 
 
 def knobs_of(scrape: Scrape) -> dict[str, float]:
