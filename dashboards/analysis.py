@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import optuna
 
 DEFAULT_MIN_GAIN = 0.10  # a step of the knob that adds less than 10 % throughput is past the knee
+MIN_IMPORTANCE_TRIALS = 3  # completed trials with sampled knobs before importance (and more than the knobs searched)
 
 
 @dataclass(frozen=True)
@@ -87,17 +88,33 @@ def pareto_front(throughput: Sequence[float | None], latency: Sequence[float | N
     return [i for _, _, i in sorted(front)]
 
 
-def param_importances(study: "optuna.Study") -> dict[str, float]:
-    """Optuna's parameter importance of the objective (the first objective of a multi-objective study), over the
-    completed trials; {} when fewer than two trials completed, when they all scored the same, or when the
-    importance is undefined."""
+def importance_gap(study: "optuna.Study") -> str:
+    """Why the study's completed trials cannot rank its parameters yet ("" when they can): they must have sampled
+    knobs (the default config samples none), be at least MIN_IMPORTANCE_TRIALS and more than the knobs searched (two
+    trials differ in every knob at once: no share of the difference belongs to one), and not all score the same."""
     import optuna
 
     completed = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-    if len(completed) < 2 or not any(t.params for t in completed):
+    sampled = [t for t in completed if t.params and t.values]
+    names = {k for t in sampled for k in t.params}
+    needed = max(MIN_IMPORTANCE_TRIALS, len(names) + 1)
+    if len(sampled) < needed:
+        return (f"{len(sampled)} completed trial{'s' if len(sampled) != 1 else ''} with sampled knobs cannot rank "
+                f"{len(names) or 'the'} parameter{'s' if len(names) != 1 else ''}: parameter importance needs at "
+                f"least {needed} (the default config samples none)")
+    if len({t.values[0] for t in sampled}) < 2:
+        return "every completed trial scored the same: no parameter explains the objective"
+    return ""
+
+
+def param_importances(study: "optuna.Study") -> dict[str, float]:
+    """Optuna's parameter importance of the objective (the first objective of a multi-objective study), over the
+    completed trials; {} when they cannot rank the parameters (:func:`importance_gap`) or when the importance is
+    undefined."""
+    import optuna
+
+    if importance_gap(study):
         return {}
-    if len({t.values[0] for t in completed if t.values}) < 2:
-        return {}  # every trial scored the same (e.g. all 0 goodput): no parameter explains anything
     target = (lambda t: t.values[0]) if len(study.directions) > 1 else None
     try:
         with warnings.catch_warnings():

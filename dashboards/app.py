@@ -18,7 +18,8 @@ from dashboards.controller_figure import controller_figure, decision_rows
 from dashboards.engine_client import EngineClient, EngineUnreachable, LiveFeed
 from dashboards.results import (FormatError, find_folders, in_window, load_sweep, load_trial,
                                 read_request_records, read_steps, workload_name)
-from dashboards.study import StudyUnavailable, TrialRow, load_study, open_storage, study_names
+from dashboards.study import (StudyData, StudyUnavailable, TrialRow, knobs_text, load_study, open_storage,
+                              searched_names, study_names)
 from slotune import result_files as files
 from tuner.search.trial_record import StudyRecord
 
@@ -152,6 +153,20 @@ def _trial_link(row: TrialRow, settings: DashboardSettings) -> Any:
     return html.A(f"trial {row.number}", href=trial_href(folder.resolve()))
 
 
+def study_info(study: StudyData) -> str:
+    """The study page's header: the trials, the objective and what it is measured at, the workload and the SLO."""
+    asked = StudyRecord.from_attrs(study.user_attrs)
+    completed = sum(r.state == "COMPLETE" for r in study.rows)
+    if study.objective == "capacity":
+        objective = f"capacity, the highest arrival rate served within the SLO ({study.direction}), searched per trial"
+    else:
+        rate = f"at {fmt(asked.rate)} req/s" if asked.rate is not None else "rate not recorded"
+        objective = f"goodput {rate} ({study.direction})"
+    return (f"{len(study.rows)} trials ({completed} completed, {sum(r.feasible for r in study.rows)} feasible); "
+            f"objective: {objective}; workload {workload_name(asked.workload) or '?'}; "
+            f"SLO p99 TBT {fmt((asked.slo or {}).get('tbt_p99'), 1000)} ms")
+
+
 def study_body(settings: DashboardSettings, name: str | None) -> list[Any]:
     if settings.storage is None or not name:
         return [notice("choose a study", "study-empty")]
@@ -159,22 +174,19 @@ def study_body(settings: DashboardSettings, name: str | None) -> list[Any]:
         study = load_study(settings.storage, name)
     except StudyUnavailable as error:
         return [notice(str(error), "study-empty")]
-    asked = StudyRecord.from_attrs(study.user_attrs)
-    slo = asked.slo or {}
+    slo = StudyRecord.from_attrs(study.user_attrs).slo or {}
+    searched = searched_names(study.rows)
     rows = [[r.number, r.state, fmt(r.value), fmt(r.feasible), fmt(r.throughput), fmt(r.tbt_p99, 1000),
-             ", ".join(f"{k}={v}" for k, v in r.params.items()), ("simulated " if r.simulated else "") +
-             (r.reason or ""), r.evidence, _trial_link(r, settings)] for r in study.rows]
-    completed = sum(r.state == "COMPLETE" for r in study.rows)
-    info = (f"{len(study.rows)} trials ({completed} completed, {sum(r.feasible for r in study.rows)} feasible); "
-            f"objective: {asked.objective if asked.objective is not None else 'goodput'} ({study.direction}); "
-            f"workload {workload_name(asked.workload) or '?'}, rate {fmt(asked.rate)} "
-            f"req/s; SLO p99 TBT {fmt(slo.get('tbt_p99'), 1000)} ms")
-    return [html.P(info, className="info"),
-            graph("study-history", figures.history_figure(study.rows, study.direction)),
+             knobs_text(r, searched), ("simulated " if r.simulated else "") + (r.reason or ""), r.evidence,
+             _trial_link(r, settings)] for r in study.rows]
+    return [html.P(study_info(study), className="info", id="study-info"),
+            graph("study-history", figures.history_figure(study.rows, study.direction, study.objective)),
             html.Div([graph("study-pareto", figures.pareto_figure(study.rows, slo.get("tbt_p99"))),
-                      graph("study-importance", figures.importance_figure(study.importances))], className="row"),
-            table(["trial", "state", "objective", "feasible", "tokens/s", "p99 TBT ms", "params", "reason",
-                   "capacity and intervals", "details"], rows, "study-table")]
+                      graph("study-importance", figures.importance_figure(study.importances,
+                                                                          study.importance_note))],
+                     className="row"),
+            table(["trial", "state", f"{study.objective} req/s", "feasible", "tokens/s", "p99 TBT ms", "knobs as run",
+                   "reason", "capacity and intervals", "details"], rows, "study-table")]
 
 
 def live_page(settings: DashboardSettings) -> html.Div:

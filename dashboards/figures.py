@@ -7,6 +7,7 @@ simulated results say so in the title and are drawn dashed."""
 from __future__ import annotations
 
 import datetime as dt
+import textwrap
 from typing import Any, Sequence
 
 import numpy as np
@@ -27,6 +28,7 @@ INFEASIBLE_COLOR = "#d62728"
 # Steps further apart than this (end of one to start of the next) had the engine idle in between: the step
 # timeline breaks its lines there instead of drawing a slope across the idle time.
 IDLE_BREAK_S = 0.1
+EMPTY_LINE_CHARS = 60  # an empty figure's message is wrapped at this width
 
 # (summary key, subplot title, scale to the axis unit)
 CURVE_METRICS: list[tuple[str, str, float]] = [
@@ -38,10 +40,10 @@ CURVE_METRICS: list[tuple[str, str, float]] = [
 
 
 def empty_figure(message: str, height: int = 300) -> go.Figure:
-    """A blank figure that says why there is nothing to draw."""
+    """A blank figure that says why there is nothing to draw (in lines that fit a half-width graph)."""
     fig = go.Figure()
-    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
-                       font={"size": 15, "color": "#666"})
+    fig.add_annotation(text="<br>".join(textwrap.wrap(message, EMPTY_LINE_CHARS)) or message, showarrow=False,
+                       x=0.5, y=0.5, xref="paper", yref="paper", font={"size": 15, "color": "#666"})
     fig.update_layout(template=TEMPLATE, height=height, xaxis={"visible": False}, yaxis={"visible": False})
     return fig
 
@@ -110,8 +112,34 @@ def _when(row: TrialRow) -> dt.datetime | int:
     return row.completed or row.started or row.number
 
 
-def history_figure(rows: Sequence[TrialRow], direction: str = "maximize") -> go.Figure:
-    """Each trial's objective over time, feasible vs infeasible, and the best feasible value so far."""
+# The y axis of the trials over time: what the objective is (docs/tuning.md)
+OBJECTIVE_AXIS = {"goodput": "objective (goodput, req/s)", "capacity": "objective (capacity, req/s)"}
+
+
+def _bracket_text(r: TrialRow) -> str:
+    if r.bracket is None:
+        return ""
+    low, high = r.bracket
+    return f"<br>bracket {low:.3g}-{'?' if high is None else f'{high:.3g}'} req/s"
+
+
+def _bracket_bars(group: Sequence[TrialRow]) -> dict[str, Any] | None:
+    """Error bars from each point (a capacity: the bracket's low end) to its bracket's ends; an open high end, or a
+    trial without a bracket, draws none above. None when no trial of the group has a bracket."""
+    if not any(r.bracket is not None for r in group):
+        return None
+    up, down = [], []
+    for r in group:
+        low, high = r.bracket if r.bracket is not None else (None, None)
+        value = r.value or 0.0
+        up.append(max(high - value, 0.0) if high is not None else 0.0)
+        down.append(max(value - low, 0.0) if low is not None else 0.0)
+    return {"type": "data", "symmetric": False, "array": up, "arrayminus": down, "thickness": 1.5, "width": 6}
+
+
+def history_figure(rows: Sequence[TrialRow], direction: str = "maximize", objective: str = "goodput") -> go.Figure:
+    """Each trial's objective over time, feasible vs infeasible, and the best feasible value so far; a capacity
+    trial's point carries its searched bracket as error bars."""
     scored = [r for r in rows if r.value is not None]
     if not scored:
         return empty_figure("no completed trial yet")
@@ -122,9 +150,10 @@ def history_figure(rows: Sequence[TrialRow], direction: str = "maximize") -> go.
         group = [r for r in scored if r.feasible == feasible]
         fig.add_trace(go.Scatter(
             x=[_when(r) for r in group], y=[r.value for r in group], mode="markers", name=name,
-            marker={"color": color, "symbol": symbol, "size": 9},
-            text=[f"trial {r.number}{' (simulated)' if r.simulated else ''}<br>{r.reason or ''}" for r in group],
-            hovertemplate="%{text}<br>objective %{y:.4g}<extra></extra>"))
+            marker={"color": color, "symbol": symbol, "size": 9}, error_y=_bracket_bars(group),
+            text=[f"trial {r.number}{' (simulated)' if r.simulated else ''}{_bracket_text(r)}<br>{r.reason or ''}"
+                  for r in group],
+            hovertemplate=f"%{{text}}<br>{objective} %{{y:.4g}} req/s<extra></extra>"))
     best_x, best_y, best = [], [], None
     better = (lambda a, b: a > b) if direction == "maximize" else (lambda a, b: a < b)
     for r in scored:
@@ -134,8 +163,8 @@ def history_figure(rows: Sequence[TrialRow], direction: str = "maximize") -> go.
             best_x.append(_when(r))
             best_y.append(best)
     fig.add_trace(go.Scatter(x=best_x, y=best_y, mode="lines", name="best so far", line={"shape": "hv"}))
-    fig.update_layout(template=TEMPLATE, height=380, title="trials over time",
-                      xaxis_title="trial finished", yaxis_title="objective (goodput, req/s)")
+    fig.update_layout(template=TEMPLATE, height=380, title="trials over time", xaxis_title="trial finished",
+                      yaxis_title=OBJECTIVE_AXIS.get(objective, f"objective ({objective})"))
     return fig
 
 
@@ -165,9 +194,11 @@ def pareto_figure(rows: Sequence[TrialRow], slo_tbt: float | None = None) -> go.
     return fig
 
 
-def importance_figure(importances: dict[str, float]) -> go.Figure:
+def importance_figure(importances: dict[str, float], note: str = "") -> go.Figure:
+    """Optuna's parameter importance as bars; without one, ``note`` says why (dashboards.analysis.importance_gap)."""
     if not importances:
-        return empty_figure("parameter importance needs at least 2 completed trials with different objective values")
+        return empty_figure(note or "parameter importance needs at least 3 completed trials with sampled knobs, "
+                                    "more than the knobs searched, and different objective values")
     names = list(importances)[::-1]  # most important on top
     fig = go.Figure(go.Bar(x=[importances[n] for n in names], y=names, orientation="h", name="importance"))
     fig.update_layout(template=TEMPLATE, height=80 + 40 * len(names), title="parameter importance (Optuna)",

@@ -15,7 +15,7 @@ from typing import Any
 
 import optuna
 
-from tuner.search.trial_record import CONSTRAINTS_ATTR, TrialRecord
+from tuner.search.trial_record import CONSTRAINTS_ATTR, StudyRecord, TrialRecord
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -30,7 +30,7 @@ class StudyUnavailable(RuntimeError):
 class TrialRow:
     number: int
     state: str  # COMPLETE, FAIL, PRUNED, RUNNING, WAITING
-    value: float | None  # the objective (goodput, req/s), the first objective of a multi-objective study
+    value: float | None  # the objective (goodput or capacity, req/s), the first of a multi-objective study
     started: dt.datetime | None
     completed: dt.datetime | None
     params: dict[str, Any]
@@ -43,6 +43,7 @@ class TrialRow:
     simulated: bool
     knobs: dict[str, Any] = field(default_factory=dict)
     evidence: str = ""  # capacity objective: the capacity with its bracket, and the figures at it with intervals
+    bracket: tuple[float, float | None] | None = None  # capacity objective: the searched bracket, req/s (None: open)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class StudyData:
     user_attrs: dict[str, Any]
     rows: list[TrialRow]
     importances: dict[str, float]
+    objective: str = "goodput"  # "goodput" (at the study's rate) or "capacity" (each trial's highest rate served)
+    importance_note: str = ""  # why there are no importances ("" when there are)
 
 
 def storage_file(url: str) -> Path | None:
@@ -117,7 +120,42 @@ def trial_row(trial: optuna.trial.FrozenTrial) -> TrialRow:
                     reason=record.reason, throughput=_number(summary.get("output_tokens_per_s")),
                     tbt_p99=_number(summary.get("tbt_p99")), ttft_p99=_number(summary.get("ttft_p99")),
                     trial_dir=record.trial_dir, simulated=record.simulated,
-                    knobs=dict(record.knobs or {}), evidence=evidence_text(trial.user_attrs))
+                    knobs=dict(record.knobs or {}), evidence=evidence_text(trial.user_attrs),
+                    bracket=capacity_bracket(record.capacity))
+
+
+def capacity_bracket(capacity: dict[str, Any] | None) -> tuple[float, float | None] | None:
+    """A capacity record's searched bracket (low, high; high None where no rate read below the target), else None."""
+    bracket = (capacity or {}).get("bracket")
+    if not isinstance(bracket, list) or len(bracket) != 2:
+        return None
+    low, high = _number(bracket[0]), _number(bracket[1])
+    return None if low is None else (low, high)
+
+
+def study_objective(objective: str | None, rows: list[TrialRow]) -> str:
+    """The study's objective as the tuner recorded it; a study without the record: capacity when a trial carries a
+    capacity bracket, else goodput (the tuner's only objective before it recorded one)."""
+    if objective == "goodput" or objective == "capacity":
+        return objective
+    return "capacity" if any(r.bracket is not None for r in rows) else "goodput"
+
+
+def knobs_text(row: TrialRow, searched: list[str]) -> str:
+    """The trial's knobs as the engine ran them (after the constraints' repair), the ``searched`` ones (every knob
+    when none was searched); a value the repair changed says what was sampled. A trial not measured (running, or
+    stopped before its run was recorded): its params, so marked."""
+    if not row.knobs:
+        shown = ", ".join(f"{k}={v}" for k, v in row.params.items())
+        return f"{shown} (sampled; not measured)" if shown else ""
+    names = [k for k in searched if k in row.knobs] or sorted(row.knobs)
+    return ", ".join(f"{k}={row.knobs[k]}" + (f" (sampled {row.params[k]})" if k in row.params
+                                               and row.params[k] != row.knobs[k] else "") for k in names)
+
+
+def searched_names(rows: list[TrialRow]) -> list[str]:
+    """The knobs the study searched (its trials' params), in the order they first appear."""
+    return list(dict.fromkeys(k for r in rows for k in r.params))
 
 
 def evidence_text(attrs: dict[str, Any]) -> str:
@@ -130,7 +168,7 @@ def evidence_text(attrs: dict[str, Any]) -> str:
 
 def load_study(storage_url: str, name: str | None = None) -> StudyData:
     """The study `name` (default: the most recently created one) with its trials and importances."""
-    from dashboards.analysis import param_importances
+    from dashboards.analysis import importance_gap, param_importances
 
     storage = open_storage(storage_url)
     names = study_names(storage)
@@ -143,4 +181,6 @@ def load_study(storage_url: str, name: str | None = None) -> StudyData:
     study = optuna.load_study(study_name=name, storage=storage)
     rows = [trial_row(t) for t in study.get_trials(deepcopy=False) if not TrialRecord.from_trial(t).surplus]
     return StudyData(name=name, direction=study.directions[0].name.lower(), user_attrs=dict(study.user_attrs),
-                     rows=rows, importances=param_importances(study))
+                     rows=rows, importances=param_importances(study),
+                     objective=study_objective(StudyRecord.from_study(study).objective, rows),
+                     importance_note=importance_gap(study))

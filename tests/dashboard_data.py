@@ -122,6 +122,7 @@ def write_study(storage_url: str, name: str = "tune", n_trials: int = 12, trial_
     study.set_user_attr("slo", SLO)
     study.set_user_attr("workload", "mixed")
     study.set_user_attr("objective", "goodput")
+    study.set_user_attr("rate", 4.0)
     for i in range(n_trials):
         trial = study.ask()
         seqs = trial.suggest_int("max_num_seqs", 2, 64, log=True)
@@ -143,3 +144,40 @@ def write_study(storage_url: str, name: str = "tune", n_trials: int = 12, trial_
                 trial.set_user_attr(key, value)
         trial.set_constraint("tbt_p99", tbt - SLO["tbt_p99"])  # Optuna 5's way; <= 0 is satisfied
         study.tell(trial, goodput)
+
+
+# A capacity study as `tune` writes it: the default config (no params: its knobs are the engine's base config), a
+# trial whose sampled chunk_size the constraints repaired (64 -> 128), and an infeasible one; each trial's value is
+# its searched capacity, the bracket's low end. No rate: every trial searches its own.
+CAPACITY_BASE = {"max_num_seqs": 256, "chunk_size": 512, "block_size": 16}
+CAPACITY_TRIALS: list[tuple[dict[str, Any], dict[str, Any], list[float | None]]] = [
+    ({}, CAPACITY_BASE, [1.6, 2.0]),
+    ({"max_num_seqs": 8, "chunk_size": 64}, {"max_num_seqs": 8, "chunk_size": 128, "block_size": 16}, [4.2, 4.8]),
+    ({"max_num_seqs": 64, "chunk_size": 256}, {"max_num_seqs": 64, "chunk_size": 256, "block_size": 16}, [0.0, 0.5]),
+]
+
+
+def write_capacity_study(storage_url: str, name: str = "capacity") -> None:
+    import optuna
+
+    from tuner.search.study import open_storage
+    from tuner.search.trial_record import default_attrs, measured_attrs, stamp, study_attrs
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name=name, storage=open_storage(storage_url), direction="maximize")
+    stamp(study, study_attrs(slo=SLO, workload={"name": "mixed"}, objective="capacity", model=None, policy={}))
+    for params, knobs, (low, high) in CAPACITY_TRIALS:
+        study.enqueue_trial(params, user_attrs=default_attrs() if not params else None)
+        trial = study.ask()
+        for knob in params:
+            trial.suggest_int(knob, 2, 512, log=True)  # the enqueued value
+        assert low is not None and trial.params == params
+        feasible = low > 0
+        capacity = {"req_per_s": low, "bracket": [low, high], "describe": f"searched {low:g} req/s ({low:g}-{high:g})",
+                    "at_capacity": "attainment 94% (88-98%) met" if feasible else None}
+        stamp(trial, measured_attrs(
+            knobs=knobs, summary=summary_of(60.0 * low, low, 0.03, 0.4) if feasible else {}, step_stats={},
+            feasible=feasible, reason=None if feasible else f"no rate read served down to {high:g} req/s",
+            trial_dir="", steps_dir="", simulated=True, pruned=False, rate=low if feasible else None,
+            constraints=[-0.01 if feasible else 1e-3], capacity=capacity))
+        study.tell(trial, low)

@@ -36,6 +36,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     data.write_sweep(root / "sweep-max_num_seqs")
     (root / "sweep-old").mkdir()
     (root / "sweep-old" / "sweep.json").write_text(json.dumps({"knob": "max_num_seqs", "points": []}))
+    data.write_capacity_study(f"sqlite:///{root / 'study.db'}")  # first: /study opens the latest study
     data.write_study(f"sqlite:///{root / 'study.db'}", n_trials=N_TRIALS, trial_root=root / "study-trials")
     return root
 
@@ -151,6 +152,25 @@ def test_study_page_history_pareto_importance_and_trial_links(browser: Any, dash
     assert requests["TTFT"] == 10 and requests["each request's p99"] == 10
     assert "study-trials/trial-0003" in text_of(browser, "trial-info")
     assert console_errors(browser) == []
+
+
+def test_capacity_study_page_draws_brackets_and_the_knobs_as_run(browser: Any, dashboard: str) -> None:
+    history = open_page(browser, dashboard + "/study?name=capacity", lambda: graph_points(browser, "study-history"),
+                        "the capacity study's history")
+    assert history == {"feasible": 2, "infeasible": 1, "best so far": 3}
+    drawn = browser.execute_script(
+        "const g = document.querySelector('#study-history .js-plotly-plot');"
+        "return [g.layout.yaxis.title.text, g.data[0].error_y.array, g.querySelectorAll('g.errorbar').length];")
+    assert drawn[0] == "objective (capacity, req/s)"
+    assert [round(v, 9) for v in drawn[1]] == [0.4, 0.6] and drawn[2] == 3  # one bar per trial's bracket
+    info, table = text_of(browser, "study-info"), text_of(browser, "study-table")
+    assert "objective: capacity" in info and "rate —" not in info
+    assert "max_num_seqs=256, chunk_size=512" in table and "chunk_size=128 (sampled 64)" in table
+    assert "cannot rank 2 parameters" in browser.execute_script(
+        "return document.querySelector('#study-importance .js-plotly-plot').layout.annotations[0].text"
+    ).replace("<br>", " ")
+    assert console_errors(browser) == []
+    screenshot(browser, "study-capacity")
 
 
 def test_trial_page_shows_request_distributions_and_step_timeline(browser: Any, dashboard: str, results: Path

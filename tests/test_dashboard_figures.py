@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -64,6 +65,11 @@ def test_pareto_front_skips_points_without_measurements() -> None:
     assert pareto_front([], []) == []
 
 
+def said(figure: Any) -> str:
+    """An empty figure's message, its lines joined."""
+    return str(figure.layout.annotations[0].text).replace("<br>", " ")
+
+
 # Importance ------------------------------------------------------------------------------------------------------
 def test_param_importance_ranks_the_knob_that_drives_the_objective(tmp_path: Path) -> None:
     url = f"journal:{tmp_path / 'study.journal'}"  # faster to write than SQLite
@@ -78,7 +84,33 @@ def test_param_importance_is_empty_below_two_completed_trials(tmp_path: Path) ->
     data.write_study(url, n_trials=1)
     study = load_study(url)
     assert study.importances == {}
-    assert "at least 2 completed trials" in importance_figure({}).layout.annotations[0].text
+    assert study.importance_note.startswith("1 completed trial with sampled knobs cannot rank 2 parameters")
+    assert said(importance_figure({}, study.importance_note)) == study.importance_note
+    assert "at least 3 completed trials" in said(importance_figure({}))
+
+
+def test_two_trials_cannot_rank_parameters(tmp_path: Path) -> None:
+    import optuna
+
+    from dashboards.analysis import param_importances
+
+    # the default config (no params) and one sampled trial: Optuna would share the importance equally
+    study = optuna.create_study(direction="maximize")
+    study.enqueue_trial({})
+    study.tell(study.ask(), 1.0)
+    trial = study.ask()
+    for knob in ("max_num_seqs", "chunk_size", "max_num_batched_tokens", "block_size"):
+        trial.suggest_int(knob, 1, 64)
+    study.tell(trial, 2.0)
+    assert param_importances(study) == {}
+    # a capacity study: the default config and two sampled trials
+    url = f"journal:{tmp_path / 'study.journal'}"
+    data.write_capacity_study(url)
+    capacity = load_study(url)
+    assert capacity.importances == {}
+    assert capacity.importance_note.startswith("2 completed trials with sampled knobs cannot rank 2 parameters")
+    figure = importance_figure(capacity.importances, capacity.importance_note)
+    assert figure.data == () and said(figure) == capacity.importance_note
 
 
 def test_param_importance_is_empty_when_every_trial_scored_the_same() -> None:
@@ -165,6 +197,29 @@ def test_study_figures_count_trials_and_mark_the_front(tmp_path: Path) -> None:
     pareto = {t.name: t for t in pareto_figure(study.rows, 0.05).data}
     expected = pareto_front([r.throughput for r in study.rows], [r.tbt_p99 for r in study.rows])
     assert len(pareto["Pareto front"].x) == len(expected) >= 1
+
+
+def test_trials_over_time_say_the_objective_and_draw_each_capacity_bracket(tmp_path: Path) -> None:
+    import dataclasses
+
+    url = f"journal:{tmp_path / 'study.journal'}"
+    data.write_capacity_study(url)
+    data.write_study(url, n_trials=3)
+    capacity, goodput = load_study(url, "capacity"), load_study(url, "tune")
+    assert (capacity.objective, goodput.objective) == ("capacity", "goodput")
+    fig = history_figure(capacity.rows, capacity.direction, capacity.objective)
+    assert fig.layout.yaxis.title.text == "objective (capacity, req/s)"
+    traces = {t.name: t for t in fig.data}
+    feasible, infeasible = traces["feasible"], traces["infeasible"]
+    assert list(feasible.y) == [1.6, 4.2] and list(infeasible.y) == [0.0]
+    # each point is its bracket's low end: the bar reaches up to the high end
+    assert [round(v, 9) for v in feasible.error_y.array] == [0.4, 0.6] and list(feasible.error_y.arrayminus) == [0, 0]
+    assert list(infeasible.error_y.array) == [0.5] and "bracket 0-0.5 req/s" in infeasible.text[0]
+    open_end = [dataclasses.replace(r, bracket=(r.value, None)) for r in capacity.rows if r.feasible]
+    assert list(history_figure(open_end, objective="capacity").data[0].error_y.array) == [0.0, 0.0]
+    plain = history_figure(goodput.rows, goodput.direction, goodput.objective)
+    assert plain.layout.yaxis.title.text == "objective (goodput, req/s)"
+    assert all(t.error_y.array is None for t in plain.data)
 
 
 def test_step_timeline_and_request_distributions_from_a_trial_folder(tmp_path: Path) -> None:

@@ -3,13 +3,15 @@ and the `slotune dashboard` flag errors. The pages themselves are tested in Chro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from dashboards.app import DashboardSettings, curves_page, live_page, live_update, study_page, sweep_body, trial_page
+from dashboards.app import (DashboardSettings, curves_page, live_page, live_update, study_body, study_page, sweep_body,
+                            trial_page)
 from dashboards.engine_client import EngineClient, LiveFeed
 from tests import dashboard_data as data
 from tests.server_helpers import free_port
@@ -23,6 +25,23 @@ def texts(component: Any) -> list[str]:
         return [t for c in component for t in texts(c)]
     children = getattr(component, "children", None)
     return texts(children) if children is not None else []
+
+
+def find(component: Any, id_: str) -> Any:
+    """The component with id ``id_`` in a component tree (None: none)."""
+    if isinstance(component, (list, tuple)):
+        return next((found for c in component if (found := find(c, id_)) is not None), None)
+    if getattr(component, "id", None) == id_:
+        return component
+    children = getattr(component, "children", None)
+    return find(children, id_) if children is not None and not isinstance(children, str) else None
+
+
+def table_cells(component: Any, id_: str) -> tuple[list[str], list[list[Any]]]:
+    """(header, rows of cells) of the table ``id_``."""
+    head, body = find(component, id_).children
+    return ([th.children for th in head.children.children],
+            [[td.children for td in tr.children] for tr in body.children])
 
 
 def notices(component: Any) -> dict[str, str]:
@@ -99,3 +118,30 @@ def test_the_study_page_shows_a_capacity_trial_with_its_bracket_and_intervals() 
     text = evidence_text(attrs)
     assert text.startswith("capacity 2.1 req/s (bracket 2.1-2.4") and "at it: attainment 94% (88-98%) met" in text
     assert evidence_text({"summary": {}}) == ""
+
+
+def test_the_study_table_shows_each_trials_knobs_as_the_engine_ran_them(tmp_path: Path) -> None:
+    url = f"journal:{tmp_path / 'study.journal'}"
+    data.write_capacity_study(url)
+    header, rows = table_cells(study_body(DashboardSettings(storage=url), "capacity"), "study-table")
+    knobs = [row[header.index("knobs as run")] for row in rows]
+    # the default config's row: its knobs (those the study searched); the repaired trial: chunk_size as run
+    assert knobs == ["max_num_seqs=256, chunk_size=512", "max_num_seqs=8, chunk_size=128 (sampled 64)",
+                     "max_num_seqs=64, chunk_size=256"]
+    assert "capacity req/s" in header
+    from dashboards.study import knobs_text, load_study
+
+    running = dataclasses.replace(load_study(url).rows[1], knobs={})  # not measured yet: only what was sampled
+    assert knobs_text(running, ["max_num_seqs", "chunk_size"]) == "max_num_seqs=8, chunk_size=64 (sampled; not measured)"
+
+
+def test_the_study_header_says_what_the_objective_is_measured_at(tmp_path: Path) -> None:
+    url = f"journal:{tmp_path / 'study.journal'}"
+    data.write_capacity_study(url)
+    data.write_study(url, n_trials=2)
+    capacity = " ".join(texts(find(study_body(DashboardSettings(storage=url), "capacity"), "study-info")))
+    assert "rate" not in capacity.replace("arrival rate", "") and "—" not in capacity
+    assert "objective: capacity, the highest arrival rate served within the SLO (maximize), searched per trial" \
+        in capacity
+    goodput = " ".join(texts(find(study_body(DashboardSettings(storage=url), "tune"), "study-info")))
+    assert "objective: goodput at 4 req/s (maximize)" in goodput

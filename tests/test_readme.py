@@ -28,3 +28,16 @@ def test_the_main_command_installs_torch_first_and_runs_tune() -> None:
 def test_every_docs_page_the_readme_names_exists() -> None:
     pages = set(re.findall(r"`(docs/[\w/.-]+\.md)`", README))
     assert pages and all((REPO / page).is_file() for page in pages), pages
+
+
+def test_every_benchmarks_section_the_docs_cite_exists() -> None:
+    """A citation ``BENCHMARKS.md, "NAME"`` names the start of one of its headings."""
+    headings = [h.lower() for h in re.findall(r"^#+ (.+)$", (REPO / "BENCHMARKS.md").read_text(), flags=re.M)]
+    cited = {}
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = " ".join(page.read_text().split())  # a citation may break across lines
+        for name in re.findall(r'BENCHMARKS\.md,? "([^"]+)"', text):
+            cited[name] = page.name
+    assert cited
+    missing = {name: page for name, page in cited.items() if not any(h.startswith(name.lower()) for h in headings)}
+    assert missing == {}
