@@ -3,7 +3,8 @@
     guardrails: {bounds: {max_num_seqs: {low: 2, high: 16}}, max_change: {max_num_seqs: 2.0}, default_max_change: 2,
                  frozen: [block_size], cooldown: 60s}
     triggers:   {attainment_target: 0.9, window: 60s, min_requests: 40, drift_threshold: 0.3, drift_window: 60s,
-                 drift_reference: 5m, drift_alarms_per_hour: 0.05, schedule: null}
+                 drift_reference: 5m, drift_alarms_per_hour: 0.05,
+                 attainment_alarms_per_hour: 0.05, schedule: null}
     canary:     {block: 20s, settle: 5s, level: 0.025, power: 0.8, min_effect: 0.1, max_window: 15m,
                  lease_margin: 30s, rollback_drop: 0.15}
     retune:     {candidates: 48, draws: 8, headroom: 1.25, sim_duration: 30s, step_history: 300s}
@@ -62,6 +63,8 @@ class Triggers:
     drift_window: float = 60.0  # one look of the drift CUSUMs (consecutive, non-overlapping)
     drift_reference: float = 300.0  # the traffic after the last decision the looks are judged against
     drift_alarms_per_hour: float = 0.05  # false drift alarms per hour on stationary traffic, all CUSUMs together
+    # false attainment alarms per hour on traffic that attains exactly the target (tuner/control/attainment.py)
+    attainment_alarms_per_hour: float = 0.05
     schedule: float | None = None  # also retune every this many seconds (None: never on a schedule)
 
 
@@ -209,6 +212,7 @@ class TriggersDoc(SectionDoc):
     drift_window: PositiveSeconds = Triggers.drift_window
     drift_reference: PositiveSeconds = Triggers.drift_reference
     drift_alarms_per_hour: float = Field(Triggers.drift_alarms_per_hour, gt=0, le=60)
+    attainment_alarms_per_hour: float = Field(Triggers.attainment_alarms_per_hour, gt=0, le=60)
     schedule: OptionalPositiveSeconds = Triggers.schedule
 
 

@@ -12,6 +12,7 @@ the long version against static configs."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,14 +49,16 @@ PHASE_TWO_OUTPUT = 16
 PHASE_TWO_LOAD = 1.5  # phase two's rate over what two sequences finish
 MOST_SEQUENCES = 16  # the policy's max_num_seqs high; one move from two may reach it (default_max_change 8)
 HEADROOM = 1.25  # sixteen sequences must finish at least this much more than phase two's rate
+ROUNDS = 3  # each finishing rate is the median of this many batches (one batch of two requests lasts a second)
 
 
 def phase_two_rate(url: str) -> float:
     """Requests/s for phase two on this machine; skips where no config in reach would serve it."""
     engine = EngineHandle(url, admin_token=TOKEN)
-    two = engine.finishing_rate(2, PHASE_TWO_OUTPUT)
+    engine.finishing_rate(2, PHASE_TWO_OUTPUT)  # warm-up: the first batch after start-up is slower
+    two = statistics.median(engine.finishing_rate(2, PHASE_TWO_OUTPUT) for _ in range(ROUNDS))
     engine.patch_config({"max_num_seqs": MOST_SEQUENCES})
-    many = engine.finishing_rate(MOST_SEQUENCES, PHASE_TWO_OUTPUT)
+    many = statistics.median(engine.finishing_rate(MOST_SEQUENCES, PHASE_TWO_OUTPUT) for _ in range(ROUNDS))
     engine.patch_config(PHASE_ONE_KNOBS)
     rate = PHASE_TWO_LOAD * two
     if many < HEADROOM * rate:

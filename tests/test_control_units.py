@@ -302,22 +302,30 @@ def test_a_rate_shift_long_after_the_start_is_drift_even_at_a_rate_too_low_for_o
     assert controller.drift.reference is not None and controller.drift.reference.requests >= 20
 
 
-def test_at_a_rate_too_low_for_one_trigger_window_the_attainment_trigger_reaches_back(tmp_path: Path) -> None:
-    """At 0.4 req/s a 30 s window holds 12 finished requests, fewer than the 20 the trigger needs: a config that
-    attains half its requests was never judged (a 20-minute run at 60 % attainment made no decision)."""
+def test_at_a_rate_too_low_for_one_trigger_window_the_attainment_trigger_merges_windows(tmp_path: Path) -> None:
+    """At 0.4 req/s a 30 s window holds 12 finished requests, fewer than the 20 a look needs: a config that attains
+    half its requests was never judged (a 20-minute run at 60 % attainment made no decision). The looks merge two
+    windows, and the shortfall alarms once it has lasted two looks, no sooner."""
     from tuner.control.loop import Controller
     from tuner.control.triggers import attainment_trigger
 
     policy = policy_with(triggers={"window": "30s", "min_requests": 20})
     controller = Controller(policy, None, None, DecisionLog(tmp_path / "c.jsonl"), say=lambda s: None)
-    finished = 0.0
-    for t in range(0, 121, 2):
+    finished, alarm, fired_at = 0.0, None, None
+    for t in range(0, 361, 2):
         finished += 0.4 * 2
         controller.remember(scrape(float(t), ok=finished / 2, count=finished, finished=finished))
+        alarm = controller.attainment_look(float(t))
+        if alarm is not None:
+            fired_at = t
+            break
+    # two looks of two windows each: no alarm before two minutes of the shortfall
+    assert fired_at is not None and 120 <= fired_at <= 240, fired_at
+    assert alarm is not None and alarm["look"]["finished"] >= 20 and alarm["looks"] >= 2
     stats = controller.trigger_window()
-    assert stats is not None and stats.finished >= 20 and stats.seconds <= 60 + 2
-    trigger = attainment_trigger(stats, policy.control.triggers)
-    assert trigger is not None and trigger.kind == "attainment"
+    assert stats is not None
+    trigger = attainment_trigger(alarm, stats, policy.control.triggers)
+    assert trigger.kind == "attainment" and "stayed below the target 90%" in trigger.reason
 
 
 def test_the_retune_workload_follows_the_live_length_histograms() -> None:

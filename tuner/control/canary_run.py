@@ -8,6 +8,8 @@ block ran out: an engine that is up has returned to the kept config by itself by
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,3 +185,35 @@ class CanaryRun:
             return Ending(OUTCOMES[verdict.action], f"{verdict.reason}; the engine did not answer the rollback, and "
                                                     f"the candidate's lease ran out ({error})", fields)
         return Ending(OUTCOMES[verdict.action], verdict.reason, {**self.fields(), "verdict": verdict.as_dict()})
+
+
+def roll_back_open(open_canary: dict[str, Any], replicas: list[LeasingEngine], poll_s: float,
+                   say: Callable[[str], None], stop: Callable[[], bool]) -> str:
+    """Roll back a canary the log started but never decided (the controller was killed): each replica that still
+    runs its candidate under lease goes back to the kept config, the others are on it already. An engine that does
+    not answer is asked until the candidate's lease has run out: by then the engine, if it is up, has returned to
+    the kept config by itself. What was done, in words."""
+    lease_until = float(open_canary.get("lease_until") or open_canary["time"] + float(open_canary["lease_s"]))
+    by_url = {engine.url: engine for engine in replicas}
+    driven = [(by_url.get(str(v["url"]).rstrip("/")), int(v["generation"]))
+              for v in (open_canary.get("replicas") or {}).values()]
+    rolled, left = [], [(e, g) for e, g in driven if e is not None]
+    reason = ""
+    while left:
+        engine, generation = left[0]
+        try:
+            lease = engine.admin_config().get("lease")
+            if lease is not None and int(lease["generation"]) == generation:
+                engine.apply(open_canary["kept_knobs"])
+                rolled.append(engine.url)
+            left.pop(0)
+        except EngineError as error:
+            if time.time() >= lease_until or stop():
+                reason = (f"; {engine.url} did not answer ({error}) until the candidate's lease had run out: an "
+                          "engine that is up is back on the kept config")
+                break
+            say(f"slotune control: engine unreachable while closing canary {open_canary['id']}: {error}")
+            time.sleep(min(poll_s, max(0.0, lease_until - time.time())))
+    what = f"rolled back {', '.join(rolled)} to the kept config" if rolled else \
+        "the engine is on the kept config (its lease returned it, or the canary's applied block was in force)"
+    return what + reason

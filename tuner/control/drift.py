@@ -10,7 +10,7 @@
 - **Each CUSUM** is tuned to the shift ``triggers.drift_threshold`` (a rate or a mean length moved by that factor,
   either way): its reference value k is half that shift in standard units at the reference's traffic, and its
   threshold h gives an average run of looks without a false alarm, by Siegmund's approximation, that spends
-  ``triggers.drift_alarms_per_hour`` over all the CUSUMs (Bonferroni over the ten).
+  ``triggers.drift_alarms_per_hour`` over all the CUSUMs (Bonferroni over the six).
 - **A change that persists**: one look adds at most half the threshold to a CUSUM, so an alarm needs at least two
   looks beyond the noise: one burst does not move the knobs.
 """

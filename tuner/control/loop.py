@@ -21,12 +21,13 @@ from engine import metric_names as names
 from slotune.slo import SLO
 from policies import Policy
 from tuner.control.canary import plan_switchback
-from tuner.control.canary_run import CanaryRun, Ending
+from tuner.control.canary_run import CanaryRun, Ending, roll_back_open
 from tuner.control.candidates import Prediction, Search, search
 from tuner.control.controller_metrics import ControllerMetrics
 from tuner.control.decision_log import DecisionLog, ResumeState, resume
 from tuner.control.engine_admin import LeasingEngine, resolved_knobs
 from tuner.control.guardrails import changed, cooldown_left
+from tuner.control.attainment import AttainmentMonitor, Counts
 from tuner.control.drift import DriftMonitor
 from tuner.control.shape import Shape, shape_of
 from tuner.control.sources import MetricsSource, Scrape, SourceUnavailable
@@ -69,7 +70,9 @@ class Controller:
         self.canary: CanaryRun | None = None
         self.state: ResumeState = resume(self.log.records())
         self.drift = DriftMonitor(t)
+        self.attainment = AttainmentMonitor(t, self.policy.control.canary.min_effect)
         self.look_start: float | None = None  # where the drift monitor's next window begins
+        self.attainment_start: float | None = None  # where the attainment monitor's next window begins
         self.last_observation = 0.0
         self.source_down = False
         self.slo = SLO(tbt_p99=self.policy.slo.tbt_p99, ttft_p99=self.policy.slo.ttft_p99)
@@ -94,6 +97,7 @@ class Controller:
             self.canary_tick(scrape)
             return
         alarm = self.drift_look(now)
+        shortfall = self.attainment_look(now)
         stats = self.trigger_window()
         if stats is not None:
             self.metrics.attainment.set(stats.attainment.value)
@@ -105,7 +109,8 @@ class Controller:
             self.act(Trigger("proposal", "an operator's proposed config (--propose)", {"knobs": knobs}), stats,
                      proposal=knobs)
             return
-        trigger = first_trigger(stats, alarm, now, self.state.last_retune_time, self.policy.control.triggers)
+        trigger = first_trigger(stats, shortfall, alarm, now, self.state.last_retune_time,
+                                self.policy.control.triggers)
         if trigger is not None and stats is not None:
             self.metrics.triggers.labels(kind=trigger.kind).inc()
             self.act(trigger, stats)
@@ -203,6 +208,25 @@ class Controller:
             return None  # the window spans an engine restart or a config change: not a look at one traffic
         return self.drift.add(shape)
 
+    def attainment_look(self, now: float) -> dict[str, Any] | None:
+        """Every trigger window (consecutive, within one config generation), its requests to the attainment
+        monitor; the monitor's alarm, if it raised one."""
+        length = self.policy.control.triggers.window
+        if self.attainment_start is None:
+            self.attainment_start = now
+        if now - self.attainment_start < length:
+            return None
+        scrapes = [s for s in self.since(self.attainment_start) if s.time <= now]
+        self.attainment_start = now
+        try:
+            intervals = [Counts(b.time - a.time, w.finished, w.attaining)
+                         for a, b in itertools.pairwise(scrapes) for w in [window(a, b, self.slo)]]
+        except CounterReset:
+            return None
+        if sum(c.seconds for c in intervals) < WINDOW_COVER * length:
+            return None  # the window spans an engine restart or a config change
+        return self.attainment.add(intervals)
+
     def observe(self, scrape: Scrape, stats: WindowStats | None) -> None:
         if scrape.time - self.last_observation < self.observe_every:
             return
@@ -222,7 +246,8 @@ class Controller:
                                 mode=self.mode, **fields)
         self.state.note_decision(record)
         self.drift.reset()  # the traffic after a decision is the next reference
-        self.look_start = None
+        self.attainment.reset()
+        self.look_start = self.attainment_start = None
         self.metrics.decided(outcome)
         self.say(f"slotune control: decision {did}: {outcome} ({trigger.kind}): {reason}")
 
@@ -350,39 +375,15 @@ class Controller:
         self.decide(ending.outcome, run.trigger, ending.reason, decision_id=run.id, **ending.fields)
 
     def close_open_canary(self, stop: Callable[[], bool] = lambda: False) -> None:
-        """A canary the log started but never decided (the controller was killed): each replica that still runs its
-        candidate under lease is rolled back, the others are on the kept config already; one decision closes it.
-        An engine that does not answer is asked until the candidate's lease has run out: by then the engine, if it
-        is up, has returned to the kept config by itself."""
+        """A canary the log started but never decided (the controller was killed): rolled back where it still runs
+        (canary_run.roll_back_open); one decision closes it."""
         open_canary = self.state.open_canary
         if open_canary is None:
             return
         trigger = Trigger(**{k: open_canary["trigger"].get(k, "") for k in ("kind", "reason")},
                           evidence=open_canary["trigger"].get("evidence", {}))
-        lease_until = float(open_canary.get("lease_until") or open_canary["time"] + float(open_canary["lease_s"]))
-        by_url = {engine.url: engine for engine in self.replicas}
-        driven = [(by_url.get(str(v["url"]).rstrip("/")), int(v["generation"]))
-                  for v in (open_canary.get("replicas") or {}).values()]
-        rolled, left = [], [(e, g) for e, g in driven if e is not None]
-        reason = ""
-        while left:
-            engine, generation = left[0]
-            try:
-                lease = engine.admin_config().get("lease")
-                if lease is not None and int(lease["generation"]) == generation:
-                    engine.apply(open_canary["kept_knobs"])
-                    rolled.append(engine.url)
-                left.pop(0)
-            except EngineError as error:
-                if time.time() >= lease_until or stop():
-                    reason = (f"; {engine.url} did not answer ({error}) until the candidate's lease had run out: an "
-                              "engine that is up is back on the kept config")
-                    break
-                self.say(f"slotune control: engine unreachable while closing canary {open_canary['id']}: {error}")
-                time.sleep(min(self.poll_s, max(0.0, lease_until - time.time())))
-        what = f"rolled back {', '.join(rolled)} to the kept config" if rolled else \
-            "the engine is on the kept config (its lease returned it, or the canary's applied block was in force)"
+        what = roll_back_open(open_canary, self.replicas, self.poll_s, self.say, stop)
         self.state.open_canary = None
-        self.decide("abandoned", trigger, f"the controller restarted mid-canary (its evidence is gone): {what}{reason}",
+        self.decide("abandoned", trigger, f"the controller restarted mid-canary (its evidence is gone): {what}",
                     decision_id=int(open_canary["id"]), candidate=open_canary.get("candidate"),
                     kept_knobs=open_canary.get("kept_knobs"))

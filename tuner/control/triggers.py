@@ -1,6 +1,5 @@
-"""The policy's triggers: SLO attainment missed over a window (its Clopper-Pearson interval entirely below the
-target, with at least ``min_requests`` finished requests), the workload drifted (the drift monitor's alarm:
-tuner.control.drift), or a schedule."""
+"""The policy's triggers: SLO attainment stayed below its target (the attainment monitor's alarm:
+tuner.control.attainment), the workload drifted (the drift monitor's alarm: tuner.control.drift), or a schedule."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ from typing import Any
 
 from policies.control import Triggers
 from tuner.control.window import WindowStats
-from tuner.measure.statistics import lower_verdict
 
 
 @dataclass(frozen=True)
@@ -22,15 +20,15 @@ class Trigger:
         return {"kind": self.kind, "reason": self.reason, "evidence": self.evidence}
 
 
-def attainment_trigger(stats: WindowStats, spec: Triggers) -> Trigger | None:
-    if stats.finished < spec.min_requests:
-        return None
-    att = stats.attainment
-    if lower_verdict(att, spec.attainment_target) != "missed":
-        return None
-    return Trigger("attainment", f"attainment {att.format(unit='', scale=100)} % over {stats.seconds:.0f}s "
-                                 f"({stats.finished} requests) is below the target {spec.attainment_target:.0%} "
-                                 "beyond the noise", {"window": stats.as_dict(), "target": spec.attainment_target})
+def attainment_trigger(alarm: dict[str, Any], stats: WindowStats, spec: Triggers) -> Trigger:
+    """The attainment monitor's alarm (tuner.control.attainment) as a trigger; ``stats``: the trigger window."""
+    look = alarm["look"]
+    return Trigger("attainment", f"attainment stayed below the target {spec.attainment_target:.0%}: "
+                                 f"{look['attaining']} of {look['finished']} requests in the last {look['seconds']:g}s "
+                                 f"(CUSUM of the misses {alarm['cusum']:g} >= {alarm['threshold']:g} after "
+                                 f"{alarm['looks']} looks, design effect {alarm['dispersion']:g}, tuned to a "
+                                 f"{alarm['shortfall']:.0%} shortfall at {spec.attainment_alarms_per_hour:g} false "
+                                 "alarms per hour)", {**alarm, "window": stats.as_dict()})
 
 
 def drift_trigger(alarm: dict[str, Any], spec: Triggers) -> Trigger:
@@ -49,9 +47,9 @@ def schedule_trigger(now: float, last_retune: float | None, spec: Triggers) -> T
     return Trigger("schedule", f"scheduled retune (every {spec.schedule:g}s)", {"last_retune": last_retune})
 
 
-def first_trigger(stats: WindowStats | None, drift: dict[str, Any] | None, now: float, last_retune: float | None,
-                  spec: Triggers) -> Trigger | None:
-    """The first trigger that fires, in the order attainment, drift (the monitor's alarm), schedule."""
-    return ((attainment_trigger(stats, spec) if stats is not None else None)
+def first_trigger(stats: WindowStats | None, shortfall: dict[str, Any] | None, drift: dict[str, Any] | None,
+                  now: float, last_retune: float | None, spec: Triggers) -> Trigger | None:
+    """The first trigger that fires, in the order attainment, drift (the monitors' alarms), schedule."""
+    return ((attainment_trigger(shortfall, stats, spec) if shortfall is not None and stats is not None else None)
             or (drift_trigger(drift, spec) if drift is not None else None)
             or schedule_trigger(now, last_retune, spec))
