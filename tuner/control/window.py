@@ -25,13 +25,6 @@ from slotune.units import format_duration
 from tuner.control.sources import Scrape
 from tuner.measure.statistics import Interval, proportion_interval
 
-ITL_P99 = names.REQUEST_ITL_P99
-TTFT = names.TTFT
-GAPS = names.INTER_TOKEN_LATENCY
-PROMPT_LENGTHS = names.REQUEST_PROMPT_TOKENS
-OUTPUT_LENGTHS = names.REQUEST_GENERATION_TOKENS
-
-
 MIN_QUEUE_GROWTH = 3  # requests: a window whose queue grew by fewer (or by under 10 % of its finished) kept up
 
 
@@ -53,7 +46,7 @@ def off_bucket_targets(scrape: Scrape, slo: SLO) -> list[str]:
     """A sentence for each SLO target that is not a bucket bound of the engine's histogram it is read from: it is
     read at the bound below, so requests between the two count as missing and attainment reads low."""
     notes = []
-    for name, histogram, target in (("TBT", ITL_P99, slo.tbt_p99), ("TTFT", TTFT, slo.ttft_p99)):
+    for name, histogram, target in (("TBT", names.REQUEST_ITL_P99, slo.tbt_p99), ("TTFT", names.TTFT, slo.ttft_p99)):
         if target is None:
             continue
         _, bound = bucket_at(scrape, histogram, target)
@@ -210,14 +203,14 @@ def window(before: Scrape, after: Scrape, slo: SLO) -> WindowStats:
         return max(0.0, d)
 
     assert slo.tbt_p99 is not None
-    ok_after, bound = bucket_at(after, ITL_P99, slo.tbt_p99)
-    ok_before, _ = bucket_at(before, ITL_P99, slo.tbt_p99)
+    ok_after, bound = bucket_at(after, names.REQUEST_ITL_P99, slo.tbt_p99)
+    ok_before, _ = bucket_at(before, names.REQUEST_ITL_P99, slo.tbt_p99)
     attaining = delta(ok_after, ok_before, "the TBT-attaining count")
     reasons = after.labelled(names.total(names.REQUEST_SUCCESS), "finished_reason")
     reasons_before = before.labelled(names.total(names.REQUEST_SUCCESS), "finished_reason")
     finished = sum(delta(v, reasons_before.get(k, 0.0), f"finished requests ({k})") for k, v in reasons.items())
     if slo.ttft_p99 is not None:
-        ttft_ok = delta(bucket_at(after, TTFT, slo.ttft_p99)[0], bucket_at(before, TTFT, slo.ttft_p99)[0],
+        ttft_ok = delta(bucket_at(after, names.TTFT, slo.ttft_p99)[0], bucket_at(before, names.TTFT, slo.ttft_p99)[0],
                         "the TTFT-attaining count")
         attaining = min(attaining, ttft_ok)
     # A request may finish between the two histogram reads of one scrape: never more attaining than finished.
@@ -235,9 +228,9 @@ def window(before: Scrape, after: Scrape, slo: SLO) -> WindowStats:
         prefix_hits=delta(after.get(names.total(names.PREFIX_HITS)), before.get(names.total(names.PREFIX_HITS)),
                           "prefix-cache hits"),
         generations=(int(before.get(names.CONFIG_GENERATION)), int(after.get(names.CONFIG_GENERATION))),
-        prompt_lengths=lengths_between(before, after, PROMPT_LENGTHS),
-        output_lengths=lengths_between(before, after, OUTPUT_LENGTHS),
-        mean_gap=_mean_between(before, after, GAPS))
+        prompt_lengths=lengths_between(before, after, names.REQUEST_PROMPT_TOKENS),
+        output_lengths=lengths_between(before, after, names.REQUEST_GENERATION_TOKENS),
+        mean_gap=_mean_between(before, after, names.INTER_TOKEN_LATENCY))
 
 
 def _mean_between(before: Scrape, after: Scrape, histogram: str) -> float:
