@@ -3,6 +3,7 @@ answers (no engine: each scripted trial writes a real trial folder of records th
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -469,3 +470,20 @@ def test_a_pool_is_judged_on_its_blocks_in_the_order_measured() -> None:
     void = Sample(2.0, 1, ((0, 10),) * 60, void="load test failed")
     assert Pool(2.0, 0.975, [good, void]).blocks() == pool.blocks()  # a void sample adds nothing
     assert Pool(2.0, 0.975, [Sample(2.0, 0, ((10, 10),) * 20)]).verdict() == "undecided"  # too few blocks
+
+
+def test_the_floor_runs_one_request_at_a_time_at_a_rate_it_keeps_up_with(tmp_path: Path) -> None:
+    """Requests that hold the engine 4 s each (long outputs on a slow machine) fall ever further behind the floor's
+    1 req/s: most of a window's requests would wait, cut off by its end. The first window is a probe: the floor's
+    windows run at the rate that keeps one request at a time busy half the time, and says so."""
+    from tuner.measure.floor import FLOOR_RATE, KEEP_UP, measure_floor
+
+    spec = MeasurementSpec(min_gaps=30, max_segments=3)
+    floor, outcomes = measure_floor(QueueBackend(service_s=4.0, duration=40.0), tmp_path / "slow", spec=spec)
+    assert floor.rate == pytest.approx(KEEP_UP / 4.0)
+    assert [o.rate for o in outcomes] == [FLOOR_RATE, floor.rate, 2 * floor.rate]  # probe, batch 1, batch 4
+    assert f"at {floor.rate:.3g} req/s" in floor.describe()
+    assert json.loads((tmp_path / "slow" / "floor.json").read_text())["rate"] == pytest.approx(floor.rate)
+    # one request at a time keeps up with 1 req/s: no probe, the rate stays
+    quick, outcomes = measure_floor(QueueBackend(service_s=0.25, duration=40.0), tmp_path / "quick", spec=spec)
+    assert quick.rate == FLOOR_RATE and [o.rate for o in outcomes] == [FLOOR_RATE, 2 * FLOOR_RATE]
