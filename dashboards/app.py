@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from dash import Dash, Input, Output, dcc, html
 from dashboards import figures
 from dashboards.controller_figure import controller_figure, decision_rows
 from dashboards.engine_client import EngineClient, EngineUnreachable, LiveFeed
-from dashboards.results import (FormatError, find_folders, in_window, load_sweep, load_trial,
+from dashboards.results import (FormatError, find_folders, in_window, latest_tune_progress, load_sweep, load_trial,
                                 read_request_records, read_steps, workload_name)
 from dashboards.study import (StudyData, StudyUnavailable, TrialRow, knobs_text, load_study, open_storage,
                               searched_names, study_names)
@@ -198,12 +199,27 @@ def live_page(settings: DashboardSettings) -> html.Div:
         title, html.P(f"engine {settings.engine_url}, polled every {settings.poll_interval_s:g} s", className="info"),
         dcc.Interval(id="live-interval", interval=int(settings.poll_interval_s * 1000), n_intervals=0),
         html.Div(id="live-status", className="info"),
+        html.Div(id="live-tune", className="info"),
         html.Div([html.Div([graph("live-steps", figures.empty_figure("waiting for the first poll"))],
                            className="wide"),
                   html.Div([graph("live-tbt", figures.empty_figure("waiting for the first poll")),
                             html.H3("current knobs"), html.Div(id="live-knobs")], className="narrow")],
                  className="row"),
     ])
+
+
+TUNE_IDLE_S = 30.0  # a progress file older than this: tune is not measuring now
+
+
+def tune_status(results: Path | None, now: float) -> str:
+    """What the newest ``tune`` under the results folder is measuring, and how long ago it said so ("" without one)."""
+    found = None if results is None else latest_tune_progress(results)
+    if found is None:
+        return ""
+    folder, data = found
+    age = max(0.0, now - float(data.get("updated") or 0.0))
+    when = f"{age:.0f} s ago" + (" (not measuring now)" if age > TUNE_IDLE_S else "")
+    return f"tune ({folder.name}), {when}: {data.get('text') or '?'}"
 
 
 def live_update(feed: LiveFeed | None) -> tuple[Any, Any, Any, Any]:
@@ -326,9 +342,10 @@ def create_app(settings: DashboardSettings) -> Dash:
         return study_body(settings, name)
 
     @app.callback(Output("live-steps", "figure"), Output("live-tbt", "figure"), Output("live-status", "children"),
-                  Output("live-knobs", "children"), Input("live-interval", "n_intervals"))
+                  Output("live-knobs", "children"), Output("live-tune", "children"),
+                  Input("live-interval", "n_intervals"))
     def poll_engine(_: int) -> Any:
-        return live_update(feed)
+        return (*live_update(feed), tune_status(settings.results, time.time()))
 
     @app.callback(Output("controller-body", "children"), Input("controller-interval", "n_intervals"))
     def show_controller(_: int) -> Any:

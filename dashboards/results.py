@@ -194,3 +194,17 @@ def find_folders(root: str | Path, marker: str, max_depth: int = MAX_SCAN_DEPTH)
     if root.is_dir():
         walk(root, 0)
     return found
+
+
+def latest_tune_progress(root: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """The progress file (``result_files.PROGRESS``) most recently written under ``root`` and what it says; None
+    without one (or where it cannot be read)."""
+    found = find_folders(root, files.PROGRESS)
+    if not found:
+        return None
+    folder = max(found, key=lambda f: (f / files.PROGRESS).stat().st_mtime)
+    try:
+        data = json.loads((folder / files.PROGRESS).read_text())
+    except (OSError, ValueError):
+        return None
+    return (folder, data) if isinstance(data, dict) else None

@@ -8,3 +8,4 @@ RECORDS_CSV = "records.csv"  # the same as CSV, when asked for
 SUMMARY = "summary.json"  # loadtest.summary.summarize over the window
 STEPS = "steps.jsonl"  # the engine's step records of a trial's window, one per line
 TRIAL = "trial.json"  # a trial's knobs, step statistics, feasibility and reason
+PROGRESS = "progress.json"  # a running tune's measurement now and its budget left (the dashboard's live page)

@@ -8,6 +8,7 @@ skip these tests on a machine without Chromium (the README's test command instal
 from __future__ import annotations
 
 import json
+import time
 import re
 import threading
 from pathlib import Path
@@ -20,6 +21,7 @@ from dashboards.analysis import pareto_front
 from dashboards.screenshots import full_page_screenshot
 from tests.browser_helpers import headless_browser, skip_without_browser, start_dashboard, wait_for
 from dashboards.study import load_study
+from slotune import result_files as files
 from tests import dashboard_data as data
 from tests.server_helpers import REPO, SubprocessServer
 
@@ -195,13 +197,19 @@ def _send_requests(url: str, n: int, stop: threading.Event) -> None:
                                                   "ignore_eos": True, "stream": False}, timeout=120)
 
 
-def test_live_page_follows_the_engine(browser: Any, dashboard: str, engine: SubprocessServer) -> None:
+def test_live_page_follows_the_engine(browser: Any, dashboard: str, engine: SubprocessServer, results: Path) -> None:
+    # a tune run measuring: its progress file in its trials folder under the results folder
+    progress = results / "tuned-trials" / "live-study" / files.PROGRESS
+    progress.parent.mkdir(parents=True, exist_ok=True)
+    progress.write_text(json.dumps({"updated": time.time(), "text": "measuring seqs=6 at 2.5 req/s: 21 of 48s"}))
+
     def seen() -> int | None:
         m = re.match(r"(\d+) steps seen", text_of(browser, "live-step-count"))
         return int(m.group(1)) if m else None
 
     before = open_page(browser, dashboard + "/live", lambda: seen() is not None and (seen(),), "the first poll")[0]
     generation = int(re.search(r"generation (\d+)", text_of(browser, "live-generation")).group(1))
+    assert "tune (live-study)" in text_of(browser, "live-tune") and "measuring seqs=6" in text_of(browser, "live-tune")
     assert "max_num_seqs" in text_of(browser, "live-knob-table")
 
     stop = threading.Event()

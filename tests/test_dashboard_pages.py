@@ -145,3 +145,25 @@ def test_the_study_header_says_what_the_objective_is_measured_at(tmp_path: Path)
         in capacity
     goodput = " ".join(texts(find(study_body(DashboardSettings(storage=url), "tune"), "study-info")))
     assert "objective: goodput at 4 req/s (maximize)" in goodput
+
+
+def test_the_live_page_says_what_the_newest_tune_is_measuring(tmp_path: Path) -> None:
+    """A tune run writes its live progress into its trials folder; the live page shows the newest one's under the
+    results folder, and says when it has gone quiet."""
+    import os
+    import time
+
+    from dashboards.app import tune_status
+    from slotune import result_files as files
+
+    assert tune_status(tmp_path, time.time()) == "" and tune_status(None, time.time()) == ""
+    now = time.time()
+    for name, text, age in (("old-study", "measuring seqs=2 at 1 req/s", 600.0),
+                            ("new-study", "measuring seqs=6 at 2.5 req/s: 21 of 48s of load", 3.0)):
+        folder = tmp_path / "tuned-trials" / name
+        folder.mkdir(parents=True)
+        (folder / files.PROGRESS).write_text(json.dumps({"updated": now - age, "text": text}))
+        os.utime(folder / files.PROGRESS, (now - age, now - age))
+    shown = tune_status(tmp_path, now)
+    assert shown == "tune (new-study), 3 s ago: measuring seqs=6 at 2.5 req/s: 21 of 48s of load", shown
+    assert "not measuring now" in tune_status(tmp_path, now + 60)

@@ -343,6 +343,7 @@ class SlowingEngine:
 def test_tune_screen_ranks_each_next_trial_at_the_speed_of_the_trials_before(tmp_path, capsys) -> None:
     # `tune --screen`: the default config's trial finds the engine at the profile's speed, the first screened trial
     # three times slower; the second screened trial is the best of a screen run again at the new speed
+    from tuner.commands.goodput_run import GoodputRun
     from tuner.commands.session import TuneSession
     from tuner.commands.tune import build_parser
     from tuner.search.screening import load_profile
@@ -355,8 +356,9 @@ def test_tune_screen_ranks_each_next_trial_at_the_speed_of_the_trials_before(tmp
     study = open_study(storage, session.study_name, policy)
     enqueue_default(study)
     engine = SlowingEngine(load_profile(), [1.0, 3.0])
-    session.screen(study, engine)
-    run_trials(study, engine, policy, policy.trials, session.trials_dir, on_trial=session.after_trial(study))
+    run = GoodputRun(session.context(), engine, study, "sim")
+    run.screen(12)
+    run_trials(study, engine, policy, policy.trials, session.trials_dir, on_trial=run.after_trial())
     out = capsys.readouterr().out
     assert re.search(r"screening 12 configs in the simulator \(decode steps x1\.0\d, prefill steps x1\.0\d", out), out
     moved = re.search(r"the engine's speed moved from x1\.0\d to x(\d+\.\d\d) .*: screening the 12 configs again", out)

@@ -203,3 +203,22 @@ def test_a_long_measurement_shows_a_live_line_on_a_terminal_and_nothing_in_a_log
     assert term.getvalue().endswith("\r\033[K[1/4] #0 default config\n")
     say("done", stream=log)
     assert log.getvalue() == "done\n"
+
+
+def test_a_long_measurement_writes_its_progress_where_the_dashboard_reads_it(tmp_path: Path) -> None:
+    import io
+    import json
+    import time
+
+    from slotune import result_files as files
+    from tuner.commands.progress import LiveLine
+
+    path = tmp_path / "trials" / files.PROGRESS
+    line = LiveLine(["max_num_seqs"], deadline=time.monotonic() + 600, stream=io.StringIO(), path=path)
+    line({"knobs": {"max_num_seqs": 6}, "rate": 2.5, "elapsed_s": 21.4, "duration_s": 48.0, "ok": 17})
+    written = json.loads(path.read_text())
+    assert written["text"].startswith("measuring seqs=6 at 2.5 req/s: 21 of 48s of load")
+    assert 590 < written["budget_left_s"] <= 600 and abs(written["updated"] - time.time()) < 5
+    assert written["progress"]["ok"] == 17 and not list(path.parent.glob("*.partial"))
+    line({"knobs": {"max_num_seqs": 6}, "rate": 2.5, "elapsed_s": 22.0, "duration_s": 48.0, "ok": 18})
+    assert json.loads(path.read_text())["progress"]["ok"] == 17  # at most once a second

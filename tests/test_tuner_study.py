@@ -237,6 +237,20 @@ def test_a_trial_whose_process_died_on_another_machine_is_recovered_by_its_stale
     assert recover_orphans(study, now=now + HEARTBEAT_STALE_S + 10) == [live.number, silent.number]
 
 
+def test_a_trial_whose_process_died_before_naming_itself_its_owner_is_recovered(tmp_path: Path) -> None:
+    """A tune killed between asking for a trial and stamping its pid left it RUNNING with no owner: the rerun found
+    nothing dead and ran one trial short. A live process names itself within milliseconds of its ask."""
+    from tuner.search.study import OWNERLESS_GRACE_S
+
+    policy = goodput_policy().replace(trials=4)
+    study = open_study(open_storage(str(tmp_path / "s.db")), "s", policy)
+    ownerless = study.ask()
+    assert ownerless.datetime_start is not None
+    started = ownerless.datetime_start.timestamp()
+    assert recover_orphans(study, now=started + 1.0) == []  # its process may be stamping it right now
+    assert recover_orphans(study, now=started + OWNERLESS_GRACE_S + 1.0) == [ownerless.number]
+
+
 def test_a_running_trial_keeps_its_heartbeat_fresh(tmp_path: Path) -> None:
     study = open_study(open_storage(f"journal:{tmp_path}/s.journal"), "s", goodput_policy())
     trial = study.ask()

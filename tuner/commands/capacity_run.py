@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
+from slotune import result_files as files
 from slotune.units import format_duration
 from tuner.commands.progress import PROG, LiveLine, say
 from tuner.commands.run_context import RunContext
@@ -63,7 +64,8 @@ class CapacityRun:
         self.floor: dict[str, Any] = {}
         self.rescreen: Rescreen | None = None  # the screen kept at the engine's speed
         if isinstance(runner, TrialRunner):  # on a terminal: a live line while the load runs
-            runner.on_progress = LiveLine([k.name for k in self.p.search_space], context.started + self.p.time_budget)
+            runner.on_progress = LiveLine([k.name for k in self.p.search_space], context.started + self.p.time_budget,
+                                          path=context.trials_dir / files.PROGRESS)
 
     def probe_line(self, m: Measurement) -> None:
         say(f"    {m.rate:.3g} req/s: {m.describe()}")

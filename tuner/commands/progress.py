@@ -1,12 +1,16 @@
 """What ``tune`` says as it goes: its lines, and on a terminal a live line during a long measurement (what is being
 measured, how far its load has run, how much of the run's time budget is left). A log or a pipe gets the lines
-alone: the live line is drawn only where it can be redrawn in place."""
+alone: the live line is drawn only where it can be redrawn in place. The same progress goes to a file
+(``result_files.PROGRESS`` in the run's trials folder) that the dashboard's live page reads."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TextIO
 
 from engine.knobs import short_knobs
@@ -14,6 +18,7 @@ from slotune.units import format_duration
 
 PROG = "tune"
 _CLEAR = "\r\033[K"  # back to the line's start, and erase it
+WRITE_EVERY_S = 1.0  # the progress file is rewritten at most this often
 
 
 def _live(stream: TextIO) -> bool:
@@ -33,12 +38,27 @@ class LiveLine:
     names: list[str]  # the knobs the line names (the searched ones)
     deadline: float | None = None  # time.monotonic() when the run's time budget ends
     stream: TextIO | None = None
+    path: Path | None = None  # the progress file, rewritten at most every WRITE_EVERY_S seconds
+    written_at: float = -float("inf")
 
     def __call__(self, progress: dict[str, Any]) -> None:
         out = self.stream or sys.stdout
         if _live(out):
             out.write(_CLEAR + self.text(progress))
             out.flush()
+        if self.path is not None and time.monotonic() - self.written_at >= WRITE_EVERY_S:
+            self.written_at = time.monotonic()
+            self.write(self.path, progress)
+
+    def write(self, path: Path, progress: dict[str, Any]) -> None:
+        """The progress file, replaced whole (a reader never sees half of one)."""
+        left = None if self.deadline is None else round(max(0.0, self.deadline - time.monotonic()), 1)
+        record = {"updated": time.time(), "text": self.text(progress).strip(), "budget_left_s": left,
+                  "progress": {k: v for k, v in progress.items() if isinstance(v, (int, float, str, dict, list))}}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(record, default=str) + "\n")
+        os.replace(partial, path)
 
     def text(self, p: dict[str, Any]) -> str:
         knobs = short_knobs(p.get("knobs") or {}, self.names) or "the config"

@@ -1,6 +1,6 @@
 """What the steps of one ``tune`` run share, whichever objective it runs: built once by the session
-(tuner/commands/session.py) and handed to the objective's runner (tuner/commands/capacity_run.py), which never reads
-the session itself."""
+(tuner/commands/session.py) and handed to the objective's runner (tuner/commands/capacity_run.py or
+tuner/commands/goodput_run.py), which never reads the session itself."""
 
 from __future__ import annotations
 

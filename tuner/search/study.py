@@ -43,6 +43,7 @@ DEFAULT_STORAGE = "sqlite:///tune-study.db"
 # a tune process that died on another machine (on this machine a dead pid says so at once).
 HEARTBEAT_INTERVAL_S = 15.0
 HEARTBEAT_STALE_S = 120.0
+OWNERLESS_GRACE_S = 5.0  # a RUNNING trial with no owner this long after its start was left by a killed process
 # constraints_func is what the interface with the dashboard names (system attr "constraints"); Optuna 5 prefers
 # Trial.set_constraint but keeps it. Experimental-feature notices are noise on a tune progress screen.
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"optuna\..*")
@@ -150,6 +151,11 @@ def recover_orphans(study: optuna.Study, now: float | None = None) -> list[int]:
         record = TrialRecord.from_trial(t)
         if record.host == host and record.pid is not None:
             dead = not _pid_alive(record.pid)
+        elif record.host is None and record.pid is None and record.heartbeat is None:
+            # asked and never owned: its process died between the ask and naming itself its owner, which a live one
+            # does within milliseconds
+            started = t.datetime_start.timestamp() if t.datetime_start else now
+            dead = now - started > OWNERLESS_GRACE_S
         else:
             beat = record.heartbeat
             if beat is None:
