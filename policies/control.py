@@ -55,8 +55,8 @@ class Triggers:
     """When the controller retunes."""
 
     attainment_target: float = 0.9  # share of requests within the SLO
-    window: float = 60.0  # seconds of traffic the attainment trigger judges
-    min_requests: int = 40  # finished requests a window needs before it decides anything
+    window: float = 60.0  # one look of the attainment CUSUM (consecutive, non-overlapping); a retune reads the last
+    min_requests: int = 40  # finished requests a look (windows merge until it holds them) or a retune's window needs
     # relative change of a shape quantity (rate, mean lengths) that counts as drift; for a length distribution, the
     # share of requests that changed length bucket (total variation distance)
     drift_threshold: float = 0.3

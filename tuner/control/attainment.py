@@ -4,17 +4,20 @@ attains exactly ``triggers.attainment_target``.
 
 - **A look** holds the requests that finished in it; at a rate too low for one window to hold
   ``triggers.min_requests``, windows merge until it does (a share of a few requests is far from normal in its tail).
-- **Clustered misses**: requests that queue behind one burst miss together, so a look's miss count spreads more
-  than a binomial one. Each look is cut into ``BATCHES`` batches of consecutive scrapes, and the spread of the
-  batches' miss shares around their look's own share, pooled over the last ``DISPERSION_LOOKS`` looks, gives the
-  dispersion (the design effect) by which the binomial variance is multiplied. Around the look's own share, a
-  real drop of attainment between looks does not inflate it. Until it rests on many batches its estimate is taken
-  at an upper confidence bound (``DISPERSION_CONFIDENCE``): too small a dispersion would raise false alarms.
+- **The scale**: each look's miss share on the arcsine square-root scale (Anscombe's form), where a binomial share's
+  variance is 1 / (4 n + 2) at any share and a clustered one's tail is far less skewed than the share's.
+- **Clustered misses**: requests that queue behind one burst miss together, so a look's figure spreads more than a
+  binomial one. The binomial variance is multiplied by a design effect, the larger of two estimates, each at its
+  upper confidence bound (``DISPERSION_CONFIDENCE``) and at least 1: the spread of ``BATCHES`` batches of
+  consecutive scrapes around their look's own figure, and the long-run variance (lag-one autocovariance included)
+  of the last ``DISPERSION_LOOKS`` looks. A look joins the latter once the CUSUM is back at zero, so that a
+  shortfall that begins does not widen the noise it is judged against before it can alarm.
 - **The CUSUM** sums each look's standardised excess of misses over the target's miss share ``1 - target``, less
   its reference value k, half the shortfall it is tuned to (``canary.min_effect``: a smaller shortfall is one no
   canary would show a candidate fixes) in that look's standard errors. Its threshold h gives, by Siegmund's
   approximation, an average run of looks without an alarm that spends ``triggers.attainment_alarms_per_hour``.
-- **A shortfall that persists**: one look adds at most h / 2, so an alarm needs two looks beyond the noise.
+- **A shortfall that persists**: one look adds at most h / PERSIST, so an alarm needs PERSIST looks beyond the
+  noise.
 
 Traffic that attains more than the target drifts the sum down: the stated rate is the most false alarms there are.
 """
@@ -134,15 +137,15 @@ class AttainmentMonitor:
         missed = sum(c.missed for c in look)
         figure = scaled(missed, finished)
         phi = self.dispersion()
-        self.spread.append((sum(precision(n) * (scaled(m, n) - figure) ** 2 for n, m in batches(look)),
-                            len(batches(look)) - 1))
+        parts = batches(look)
+        self.spread.append((sum(precision(n) * (scaled(m, n) - figure) ** 2 for n, m in parts), len(parts) - 1))
         null = math.asin(math.sqrt(1.0 - self.spec.attainment_target))
         shifted = math.asin(math.sqrt(min(1.0, 1.0 - self.spec.attainment_target + self.shortfall)))
         unit = math.sqrt(precision(finished) / phi)  # standard errors per unit of the scale
         z, k = (figure - null) * unit, 0.5 * (shifted - null) * unit
         seconds = sum(c.seconds for c in look)
         h = self.threshold(k, seconds)
-        # no one look carries the sum past h: it adds at most h / 2, so a shortfall must last two looks
+        # no one look carries the sum past h: it adds at most h / PERSIST, so a shortfall must last PERSIST looks
         self.cusum = max(0.0, self.cusum + min(z - k, h / PERSIST))
         # a look joins the between-look noise once the sum is back at zero: a shortfall that begins does not widen
         # the noise it is judged against before it can alarm (on an alarm its looks are dropped)
