@@ -475,7 +475,7 @@ def test_a_pool_is_judged_on_its_blocks_in_the_order_measured() -> None:
 def test_the_floor_runs_one_request_at_a_time_at_a_rate_it_keeps_up_with(tmp_path: Path) -> None:
     """Requests that hold the engine 4 s each (long outputs on a slow machine) fall ever further behind the floor's
     1 req/s: most of a window's requests would wait, cut off by its end. The first window is a probe: the floor's
-    windows run at the rate that keeps one request at a time busy half the time, and says so."""
+    windows run at the rate that keeps one request at a time busy most of the time (KEEP_UP), and says so."""
     from tuner.measure.floor import FLOOR_RATE, KEEP_UP, measure_floor
 
     spec = MeasurementSpec(min_gaps=30, max_segments=3)
