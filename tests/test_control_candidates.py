@@ -10,7 +10,7 @@ import numpy as np
 import yaml
 
 from policies import parse_policy
-from tuner.control.candidates import Prediction, Redraws, deciding_figure, search
+from tuner.control.candidates import LEADERS, Prediction, Redraws, deciding_figure, search
 from tuner.control.decision_log import resume
 from tuner.control.guardrails import changed
 from tuner.control.shape import Shape
@@ -57,6 +57,11 @@ def test_a_rolled_back_move_is_not_screened_again_until_the_workload_drifts() ->
 
     first = pick([])
     assert first, "the applied config cannot serve 2 req/s of these requests: some move should be predicted better"
+    # the decision log shows what the pick was chosen from: the best screened predictions, the pick first
+    found = search(policy, CURRENT, CURRENT, overloaded_shape(), [], [], target=0.9, seed=3)
+    leaders = found.as_dict()["leaders"]
+    assert 1 < len(leaders) <= LEADERS and changed(leaders[0]["knobs"], CURRENT) == first
+    assert all("attainment" in p and "knobs" in p for p in leaders)
     again = pick([{"from": {k: CURRENT[k] for k in first}, "to": first}])
     assert again != first
     # read back from the log: a rollback is remembered, a drift decision after it forgets it

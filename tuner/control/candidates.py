@@ -30,6 +30,7 @@ MIN_GAIN = 0.05  # a candidate must beat the applied config's predicted goodput 
 GAP_ALLOWANCE = 1.5  # a request's own p99 gap lets its largest gaps exceed the TBT target: room for them
 MIN_DRAIN_S = 10.0  # the simulated drain's floor and ceiling (seconds after the window's last arrival)
 MAX_DRAIN_S = 300.0
+LEADERS = 5  # screened predictions a retune logs beside its pick
 
 
 @dataclass(frozen=True)
@@ -76,11 +77,14 @@ class Search:
     workload: dict[str, Any] = field(default_factory=dict)
     model: dict[str, Any] = field(default_factory=dict)
     redraws: dict[str, Any] = field(default_factory=dict)  # the pick's check on fresh draws (Redraws.as_dict)
+    # the best LEADERS screened predictions, best first: what the pick was chosen from (a decision log reader's
+    # view of the screen, where the pick alone does not say why nothing better was found)
+    leaders: tuple[dict[str, Any], ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {"candidate": self.candidate.as_dict() if self.candidate else None, "current": self.current.as_dict(),
                 "reason": self.reason, "screened": self.screened, "workload": self.workload, "model": self.model,
-                "redraws": self.redraws}
+                "redraws": self.redraws, "leaders": list(self.leaders)}
 
 
 def live_workload(shape: Shape) -> WorkloadSpec:
@@ -218,7 +222,8 @@ def search(policy: Policy, current: dict[str, Any], resolved: dict[str, Any], sh
     sim = SimTrialRunner(model, limits=limits_of(model, admin_config), workload=workload, rate=rate,
                          duration=retune.sim_duration, warmup=3.0, slo=slo, seed=seed, base_knobs=dict(current),
                          backlog=backlog, drain_timeout=drain)
-    info = {"workload": {**workload.as_dict(), "rate": round(rate, 4), "backlog": backlog, "drain_s": drain},
+    info: dict[str, Any] = {"workload": {**workload.as_dict(), "rate": round(rate, 4), "backlog": backlog,
+                                         "drain_s": drain},
             "model": {"rescaled": model.meta.get("rescaled"), "steps": len(steps)}}
 
     def predict(knobs: dict[str, Any]) -> Prediction:
@@ -245,7 +250,9 @@ def search(policy: Policy, current: dict[str, Any], resolved: dict[str, Any], sh
     now = Prediction(dict(current), now.summary)
     if not preds:
         return Search(None, now, "no candidate within the guardrails differs from the applied config", 0, **info)
-    best = max(preds, key=lambda p: _ranked(p, target))
+    ranked = sorted(preds, key=lambda p: _ranked(p, target), reverse=True)
+    best = ranked[0]
+    info = {**info, "leaders": tuple(p.as_dict() for p in ranked[:LEADERS])}
     if deciding_figure(best, now, target) is None:
         return Search(None, now, f"no candidate is predicted to beat the applied config (best: attainment "
                                  f"{best.attainment:.0%}, goodput {best.goodput:.2f} rps; applied: "
