@@ -179,12 +179,16 @@ class Controller:
                 break
         return stats
 
-    def shape_between(self, start: float, end: float) -> Shape | None:
+    def intervals_between(self, start: float, end: float) -> list[WindowStats] | None:
+        """Each scrape interval from ``start`` to ``end`` within one generation; None across a counter reset."""
         scrapes = [s for s in self.since(start) if s.time <= end]
         try:
-            intervals = [window(a, b, self.slo) for a, b in itertools.pairwise(scrapes)]
+            return [window(a, b, self.slo) for a, b in itertools.pairwise(scrapes)]
         except CounterReset:
             return None
+
+    def shape_between(self, start: float, end: float) -> Shape | None:
+        intervals = self.intervals_between(start, end)
         return shape_of(intervals) if intervals else None
 
     def recent_shape(self) -> Shape | None:
@@ -216,13 +220,11 @@ class Controller:
             self.attainment_start = now
         if now - self.attainment_start < length:
             return None
-        scrapes = [s for s in self.since(self.attainment_start) if s.time <= now]
+        stats = self.intervals_between(self.attainment_start, now)
         self.attainment_start = now
-        try:
-            intervals = [Counts(b.time - a.time, w.finished, w.attaining)
-                         for a, b in itertools.pairwise(scrapes) for w in [window(a, b, self.slo)]]
-        except CounterReset:
+        if stats is None:
             return None
+        intervals = [Counts(w.seconds, w.finished, w.attaining) for w in stats]
         if sum(c.seconds for c in intervals) < WINDOW_COVER * length:
             return None  # the window spans an engine restart or a config change
         return self.attainment.add(intervals)
