@@ -40,7 +40,7 @@ def traffic(rng: np.random.Generator, rate: float, seconds: float, miss_share: f
         p = np.full(steps, miss_share)
     finished = rng.poisson(rate * POLL, steps)
     missed = rng.binomial(finished, p)
-    return [Counts(POLL, int(n), int(n - m)) for n, m in zip(finished, missed)]
+    return [Counts.of(POLL, int(n), int(n - m)) for n, m in zip(finished, missed)]
 
 
 def feed(monitor: AttainmentMonitor, intervals: list[Counts]) -> float | None:
@@ -135,8 +135,8 @@ def test_the_design_effect_is_read_from_the_traffic() -> None:
 def test_a_look_waits_for_enough_requests() -> None:
     """At a rate too low for one window to hold ``min_requests``, windows merge into one look."""
     monitor = AttainmentMonitor(SPEC, SHORTFALL)
-    assert monitor.add([Counts(SPEC.window, SPEC.min_requests // 2, 0)]) is None and monitor.looks == 0
-    monitor.add([Counts(SPEC.window, SPEC.min_requests // 2, 0)])
+    assert monitor.add([Counts.of(SPEC.window, SPEC.min_requests // 2, 0)]) is None and monitor.looks == 0
+    monitor.add([Counts.of(SPEC.window, SPEC.min_requests // 2, 0)])
     assert monitor.looks == 1 and not monitor.partial
 
 
@@ -147,7 +147,7 @@ def recorded_run() -> list[Counts]:
     index = (rows[:, 0] // POLL).astype(int)
     finished = np.bincount(index)
     attaining = np.bincount(index, weights=rows[:, 1], minlength=len(finished)).astype(int)
-    return [Counts(POLL, int(n), int(a)) for n, a in zip(finished, attaining)]
+    return [Counts.of(POLL, int(n), int(a)) for n, a in zip(finished, attaining)]
 
 
 def test_a_real_stationary_run_that_met_its_slo_raises_no_alarm_and_a_shortfall_in_it_does() -> None:
@@ -160,7 +160,7 @@ def test_a_real_stationary_run_that_met_its_slo_raises_no_alarm_and_a_shortfall_
     per = int(spec.window / POLL)
     assert not any(monitor.add(run[i:i + per]) for i in range(0, len(run), per))
     half = len(run) // 2
-    worse = run[:half] + [Counts(c.seconds, c.finished, c.attaining // 2) for c in run[half:]]
+    worse = run[:half] + [Counts.of(c.seconds, c.finished, c.attaining // 2) for c in run[half:]]
     monitor = AttainmentMonitor(spec, SHORTFALL)
     fired = [i * POLL for i in range(0, len(worse), per) if monitor.add(worse[i:i + per])]
     assert fired and half * POLL < fired[0] <= half * POLL + 360, fired  # a look's start, in seconds

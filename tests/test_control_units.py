@@ -174,7 +174,8 @@ def test_difference_of_shares_covers_the_truth_at_its_level() -> None:
 
 # Windows -----------------------------------------------------------------------------------------------------------
 def scrape(t: float, *, ok: float, count: float, finished: float, prompt: float = 0.0, output: float = 0.0,
-           generation: int = 1, waiting: float = 0.0, ttft_ok: float | None = None) -> Scrape:
+           generation: int = 1, waiting: float = 0.0, ttft_ok: float | None = None,
+           first_tokens: float | None = None) -> Scrape:
     values = {("slotune_request_itl_p99_seconds_bucket", (("le", "0.04"),)): ok * 0.9,
               ("slotune_request_itl_p99_seconds_bucket", (("le", "0.05"),)): ok,
               ("slotune_request_itl_p99_seconds_bucket", (("le", "0.06"),)): count,
@@ -185,6 +186,7 @@ def scrape(t: float, *, ok: float, count: float, finished: float, prompt: float 
               ("slotune_config_generation", ()): float(generation), ("slotune_num_requests_waiting", ()): waiting}
     if ttft_ok is not None:
         values[("slotune_time_to_first_token_seconds_bucket", (("le", "2.0"),))] = ttft_ok
+        values[("slotune_time_to_first_token_seconds_count", ())] = count if first_tokens is None else first_tokens
     return Scrape(t, values)
 
 
@@ -326,6 +328,34 @@ def test_at_a_rate_too_low_for_one_trigger_window_the_attainment_trigger_merges_
     assert stats is not None
     trigger = attainment_trigger(alarm, stats, policy.control.triggers)
     assert trigger.kind == "attainment" and "stayed below the target 90%" in trigger.reason
+
+
+def test_a_look_counts_a_request_whose_first_token_and_finish_fall_in_different_scrape_intervals(
+        tmp_path: Path) -> None:
+    """The TTFT histogram counts a request at its first token, the finish counter seconds later, so per 2 s scrape
+    interval the two rarely line up. A look that clipped each interval's attaining count to its finished requests
+    and summed them read 10 of 21 where all 21 attained, and fired the trigger on traffic that attained 100 %."""
+    from tuner.control.attainment import Counts, merged
+    from tuner.control.loop import Controller
+
+    rng = np.random.default_rng(5)
+    arrivals = np.cumsum(rng.exponential(1.0, 1300))  # 1 req/s for 20 minutes
+    first = arrivals + rng.uniform(0.1, 0.5, arrivals.size)
+    done = first + rng.uniform(1.0, 8.0, arrivals.size)  # every request attains both targets
+    policy = policy_with(triggers={"window": "60s"})
+    controller = Controller(policy, None, None, DecisionLog(tmp_path / "c.jsonl"), say=lambda s: None)
+    assert controller.slo.ttft_p99 == 2.0
+    for t in range(0, 1201, 2):
+        finished, started = float((done <= t).sum()), float((first <= t).sum())
+        controller.remember(scrape(float(t), ok=finished, count=finished, finished=finished, ttft_ok=started,
+                                   first_tokens=started))
+        assert controller.attainment_look(float(t)) is None, t
+    intervals = controller.intervals_between(1140.0, 1200.0)
+    assert intervals is not None
+    assert sum(w.attaining for w in intervals) < sum(w.finished for w in intervals)  # clipped per interval: lost
+    look = merged([Counts(w.seconds, w.finished, w.missed_tbt, w.missed_ttft) for w in intervals])
+    assert look.finished > 40 and look.attaining == look.finished
+    assert controller.attainment.looks >= 15 and controller.attainment.cusum == 0.0
 
 
 def test_the_retune_workload_follows_the_live_length_histograms() -> None:

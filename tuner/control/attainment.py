@@ -44,28 +44,51 @@ DISPERSION_CONFIDENCE = 0.75  # the dispersion is its upper bound at this confid
 
 @dataclass(frozen=True)
 class Counts:
-    """Requests that finished, and that attained the SLO, between two scrapes."""
+    """The requests of a span between two scrapes: those that finished, and the misses of each target as its own
+    histogram counts them, unclipped.
+
+    The two targets' misses are counted on different requests at the edges of a span (the TBT histogram counts a
+    request when it finishes, the TTFT one at its first token), so a short span's counts do not line up. Summed
+    over consecutive spans they telescope to the whole span's: a look is judged on its sums, never on per-span
+    figures clipped and added (which lose every request whose first token and finish fall in different spans)."""
 
     seconds: float
     finished: int
-    attaining: int
+    missed_tbt: float  # finished requests whose own p99 gap missed its target (aborted ones included)
+    missed_ttft: float = 0.0  # requests whose first token came in the span and missed the TTFT target
+
+    @classmethod
+    def of(cls, seconds: float, finished: int, attaining: int) -> Counts:
+        """A span whose misses are known per request (one figure for both targets)."""
+        return cls(seconds, finished, finished - attaining)
 
     @property
     def missed(self) -> int:
-        return self.finished - self.attaining
+        """At least the larger of the two targets' misses (each is a lower bound of the joint count), within
+        what finished."""
+        return min(self.finished, max(0, round(max(self.missed_tbt, self.missed_ttft))))
+
+    @property
+    def attaining(self) -> int:
+        return self.finished - self.missed
+
+
+def merged(spans: list[Counts]) -> Counts:
+    """Consecutive spans as one: their counts summed before the misses are judged."""
+    return Counts(sum(c.seconds for c in spans), sum(c.finished for c in spans),
+                  sum(c.missed_tbt for c in spans), sum(c.missed_ttft for c in spans))
 
 
 def batches(intervals: list[Counts], count: int = BATCHES) -> list[tuple[int, int]]:
     """(finished, missed) of ``count`` runs of consecutive intervals, each about an equal share of the time."""
     total = sum(c.seconds for c in intervals) or 1.0
-    out = [[0, 0] for _ in range(count)]
+    runs: list[list[Counts]] = [[] for _ in range(count)]
     elapsed = 0.0
     for c in intervals:
-        index = min(count - 1, int(count * (elapsed + c.seconds / 2) / total))
-        out[index][0] += c.finished
-        out[index][1] += c.missed
+        runs[min(count - 1, int(count * (elapsed + c.seconds / 2) / total))].append(c)
         elapsed += c.seconds
-    return [(n, m) for n, m in out if n > 0]
+    parts = [merged(run) for run in runs]
+    return [(c.finished, c.missed) for c in parts if c.finished > 0]
 
 
 def scaled(missed: float, finished: float) -> float:
@@ -128,13 +151,13 @@ class AttainmentMonitor:
         """Feed one window's scrape intervals (``triggers.window`` long); the alarm's evidence when the CUSUM
         crossed its threshold."""
         look = self.partial + intervals
-        finished = sum(c.finished for c in look)
+        whole = merged(look)
+        finished, missed = whole.finished, whole.missed
         if finished < self.spec.min_requests:
             self.partial = look
             return None
         self.partial = []
         self.looks += 1
-        missed = sum(c.missed for c in look)
         figure = scaled(missed, finished)
         phi = self.dispersion()
         parts = batches(look)
@@ -143,7 +166,7 @@ class AttainmentMonitor:
         shifted = math.asin(math.sqrt(min(1.0, 1.0 - self.spec.attainment_target + self.shortfall)))
         unit = math.sqrt(precision(finished) / phi)  # standard errors per unit of the scale
         z, k = (figure - null) * unit, 0.5 * (shifted - null) * unit
-        seconds = sum(c.seconds for c in look)
+        seconds = whole.seconds
         h = self.threshold(k, seconds)
         # no one look carries the sum past h: it adds at most h / PERSIST, so a shortfall must last PERSIST looks
         self.cusum = max(0.0, self.cusum + min(z - k, h / PERSIST))

@@ -224,7 +224,7 @@ class Controller:
         self.attainment_start = now
         if stats is None:
             return None
-        intervals = [Counts(w.seconds, w.finished, w.attaining) for w in stats]
+        intervals = [Counts(w.seconds, w.finished, w.missed_tbt, w.missed_ttft) for w in stats]
         if sum(c.seconds for c in intervals) < WINDOW_COVER * length:
             return None  # the window spans an engine restart or a config change
         return self.attainment.add(intervals)

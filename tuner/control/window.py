@@ -145,6 +145,11 @@ class WindowStats:
     prompt_lengths: Lengths = Lengths()  # of the requests that finished on stop or length
     output_lengths: Lengths = Lengths()
     mean_gap: float = math.nan  # seconds between two tokens of one request, over the window's gaps
+    # each target's misses as its own histogram counts them, unclipped: the TBT one at a request's finish, the TTFT
+    # one at its first token, so consecutive windows' figures add up to their span's (the attaining count above,
+    # clipped per window, does not)
+    missed_tbt: float = 0.0
+    missed_ttft: float = 0.0
 
     @property
     def service_s(self) -> float:
@@ -209,9 +214,12 @@ def window(before: Scrape, after: Scrape, slo: SLO) -> WindowStats:
     reasons = after.labelled(names.total(names.REQUEST_SUCCESS), "finished_reason")
     reasons_before = before.labelled(names.total(names.REQUEST_SUCCESS), "finished_reason")
     finished = sum(delta(v, reasons_before.get(k, 0.0), f"finished requests ({k})") for k, v in reasons.items())
+    missed_tbt, missed_ttft = finished - attaining, 0.0
     if slo.ttft_p99 is not None:
         ttft_ok = delta(bucket_at(after, names.TTFT, slo.ttft_p99)[0], bucket_at(before, names.TTFT, slo.ttft_p99)[0],
                         "the TTFT-attaining count")
+        missed_ttft = delta(after.get(names.hist_count(names.TTFT)), before.get(names.hist_count(names.TTFT)),
+                            "first tokens") - ttft_ok
         attaining = min(attaining, ttft_ok)
     # A request may finish between the two histogram reads of one scrape: never more attaining than finished.
     finished_n = round(finished)
@@ -230,7 +238,7 @@ def window(before: Scrape, after: Scrape, slo: SLO) -> WindowStats:
         generations=(int(before.get(names.CONFIG_GENERATION)), int(after.get(names.CONFIG_GENERATION))),
         prompt_lengths=lengths_between(before, after, names.REQUEST_PROMPT_TOKENS),
         output_lengths=lengths_between(before, after, names.REQUEST_GENERATION_TOKENS),
-        mean_gap=_mean_between(before, after, names.INTER_TOKEN_LATENCY))
+        mean_gap=_mean_between(before, after, names.INTER_TOKEN_LATENCY), missed_tbt=missed_tbt, missed_ttft=missed_ttft)
 
 
 def _mean_between(before: Scrape, after: Scrape, histogram: str) -> float:
