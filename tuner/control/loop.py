@@ -32,7 +32,7 @@ from tuner.control.drift import DriftMonitor
 from tuner.control.shape import Shape, shape_of
 from tuner.control.sources import MetricsSource, Scrape, SourceUnavailable
 from tuner.control.triggers import Trigger, first_trigger
-from tuner.control.window import CounterReset, WindowStats, knobs_of, queued, window
+from tuner.control.window import CounterReset, LookClock, WindowStats, knobs_of, queued, window
 from tuner.trials.engine_handle import ConfigRejected, EngineError
 
 WINDOW_COVER = 0.8  # a trigger window must span at least this share of its length within one config generation
@@ -71,8 +71,8 @@ class Controller:
         self.state: ResumeState = resume(self.log.records())
         self.drift = DriftMonitor(t)
         self.attainment = AttainmentMonitor(t, self.policy.control.canary.min_effect)
-        self.look_start: float | None = None  # where the drift monitor's next window begins
-        self.attainment_start: float | None = None  # where the attainment monitor's next window begins
+        self.drift_clock = LookClock(t.drift_window)
+        self.attainment_clock = LookClock(t.window)
         self.last_observation = 0.0
         self.source_down = False
         self.slo = SLO(tbt_p99=self.policy.slo.tbt_p99, ttft_p99=self.policy.slo.ttft_p99)
@@ -201,31 +201,23 @@ class Controller:
     def drift_look(self, now: float) -> dict[str, Any] | None:
         """Every drift window (consecutive, within one config generation), its shape to the drift monitor; the
         monitor's alarm, if it raised one."""
-        length = self.policy.control.triggers.drift_window
-        if self.look_start is None:
-            self.look_start = now
-        if now - self.look_start < length:
+        if (start := self.drift_clock.due(now)) is None:
             return None
-        shape = self.shape_between(self.look_start, now)
-        self.look_start = now
-        if shape is None or shape.seconds < WINDOW_COVER * length:
+        shape = self.shape_between(start, now)
+        if shape is None or shape.seconds < WINDOW_COVER * self.drift_clock.length:
             return None  # the window spans an engine restart or a config change: not a look at one traffic
         return self.drift.add(shape)
 
     def attainment_look(self, now: float) -> dict[str, Any] | None:
         """Every trigger window (consecutive, within one config generation), its requests to the attainment
         monitor; the monitor's alarm, if it raised one."""
-        length = self.policy.control.triggers.window
-        if self.attainment_start is None:
-            self.attainment_start = now
-        if now - self.attainment_start < length:
+        if (start := self.attainment_clock.due(now)) is None:
             return None
-        stats = self.intervals_between(self.attainment_start, now)
-        self.attainment_start = now
+        stats = self.intervals_between(start, now)
         if stats is None:
             return None
         intervals = [Counts(w.seconds, w.finished, w.missed_tbt, w.missed_ttft) for w in stats]
-        if sum(c.seconds for c in intervals) < WINDOW_COVER * length:
+        if sum(c.seconds for c in intervals) < WINDOW_COVER * self.attainment_clock.length:
             return None  # the window spans an engine restart or a config change
         return self.attainment.add(intervals)
 
@@ -249,7 +241,8 @@ class Controller:
         self.state.note_decision(record)
         self.drift.reset()  # the traffic after a decision is the next reference
         self.attainment.reset()
-        self.look_start = self.attainment_start = None
+        self.drift_clock.restart()
+        self.attainment_clock.restart()
         self.metrics.decided(outcome)
         self.say(f"slotune control: decision {did}: {outcome} ({trigger.kind}): {reason}")
 

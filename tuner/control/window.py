@@ -28,6 +28,27 @@ from tuner.measure.statistics import Interval, proportion_interval
 MIN_QUEUE_GROWTH = 3  # requests: a window whose queue grew by fewer (or by under 10 % of its finished) kept up
 
 
+@dataclass
+class LookClock:
+    """Consecutive, non-overlapping looks of ``length`` seconds: where the next one begins (None before the first
+    poll, or after a decision, whose next look starts afresh)."""
+
+    length: float
+    start: float | None = None
+
+    def due(self, now: float) -> float | None:
+        """The start of the look that ends at ``now`` when one is due (the next then starts at ``now``)."""
+        if self.start is None:
+            self.start = now
+        if now - self.start < self.length:
+            return None
+        begun, self.start = self.start, now
+        return begun
+
+    def restart(self) -> None:
+        self.start = None
+
+
 class CounterReset(ValueError):
     """A counter went down between two scrapes: the engine restarted; the window means nothing."""
 
