@@ -436,6 +436,14 @@ def test_the_engine_searches_only_the_screened_configs_the_simulator_cannot_tell
         searched.append(suggest_knobs(trial, POLICY)["max_num_seqs"])
         study.tell(trial, 1.0)
     assert searched == [4, 3] and rescreen.contenders() == [0, 1]
+    # a step-time model that predicts the engine's steps of 2-3 sequences 25 % off: a config that runs there may
+    # be as good as the leader, and is searched too
+    from tuner.simulation.step_time_model import StepTimeModel
+
+    wrong = StepTimeModel(coef={}, ranges={}, meta={"rescaled": {"decode_errors": [[1, 1, 1.0, 50], [2, 3, 0.8, 50]]}})
+    rescreen.model = wrong
+    assert rescreen.allowance(params(1)) == 0.0 and rescreen.allowance(params(2)) == pytest.approx(0.25)
+    assert rescreen.contenders() == [0, 1, 2, 3] and rescreen.largest_allowance() == pytest.approx(0.25)
     # without the draws' capacities (the goodput screen) every ranked config may be searched, up to ``top``
     plain = Rescreen(None, lambda model: [(p, {}) for p, _ in ranked], top=3, margin=0.15)
     assert plain.enqueue_next(optuna.create_study()) is not None and plain.contenders() == [0, 1, 2, 3]

@@ -121,6 +121,28 @@ def test_rescaled_to_a_slower_machine_predicts_its_steps() -> None:
     assert model.rescaled(slow[:10]) is None  # too few steps to say how fast the machine runs
 
 
+def test_rescaled_says_how_wrong_one_factor_is_at_each_decode_batch_size() -> None:
+    """A machine whose batch scaling is not the profile's (its steps of 8 or more sequences cost 1.5x the profile,
+    smaller ones 1.0x): one decode factor is right at neither end, and the rescaled model says by how much at the
+    batch sizes a config can run; on a machine that is uniformly slower it says the error is small."""
+    model = StepTimeModel.fit(synthetic_steps(400, seed=3))
+    uneven = [{**s, "total_s": s["total_s"] * (1.5 if not s["num_prefill_seqs"] and s["num_decode_tokens"] >= 8
+                                               else 1.0)} for s in synthetic_steps(3000, seed=4, noise=0.05)]
+    adapted = model.rescaled(uneven)
+    assert adapted is not None
+    errors = adapted.meta["rescaled"]["decode_errors"]
+    assert [(lo, hi) for lo, hi, _, _ in errors] == [(1, 1), (2, 3), (4, 7), (8, 15)]
+    ratio = {(lo, hi): r for lo, hi, r, _ in errors}  # measured / predicted after the one factor
+    assert ratio[8, 15] / ratio[2, 3] == pytest.approx(1.5, rel=0.1)  # the machine's own batch scaling
+    assert ratio[2, 3] < 0.8 and adapted.batch_error(3) == pytest.approx(max(1 / ratio[1, 1], 1 / ratio[2, 3]) - 1)
+    assert adapted.batch_error(1) == pytest.approx(1 / ratio[1, 1] - 1) and adapted.batch_error(0) is None
+    assert adapted.batch_error(None) == adapted.batch_error(64) >= adapted.batch_error(3)  # the worst bin it can run
+    assert StepTimeModel.from_dict(adapted.to_dict()).batch_error(3) == adapted.batch_error(3)
+    even = model.rescaled([{**s, "total_s": s["total_s"] * 1.6} for s in synthetic_steps(3000, seed=4, noise=0.05)])
+    assert even is not None and even.batch_error(None) is not None and even.batch_error(None) < 0.03
+    assert model.batch_error(None) is None  # not rescaled: nothing measured to say it
+
+
 def test_rescaled_moves_prefill_and_decode_steps_by_their_own_factors() -> None:
     # a machine whose decode steps run 1.7x the profile and whose prefill steps run 1.4x (another memory system,
     # other matrix units): one factor would miss both

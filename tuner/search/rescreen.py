@@ -117,16 +117,30 @@ class Rescreen:
         self.rankings += 1
         return True
 
+    def allowance(self, params: dict[str, Any]) -> float:
+        """The step-time model's error on the decode batches a config can run (up to its ``max_num_seqs``; any
+        measured batch when the knob is not searched), as the latest ranking's rescale measured it; 0 before one."""
+        if self.model is None:
+            return 0.0
+        seqs = params.get("max_num_seqs")
+        return self.model.batch_error(int(seqs) if seqs is not None else None) or 0.0
+
     def contenders(self) -> list[int]:
-        """The ranked configs the simulator cannot tell from the best: those whose best draw, raised by ``margin``,
-        reaches the best config's worst draw (indices into the ranking, best first). Only these are worth the
-        engine's time: one clearly ahead leaves one, a flat top leaves several. All of them without a margin or
-        without the draws' capacities (the goodput screen)."""
+        """The ranked configs the simulator cannot tell from the best: those whose best draw, raised by ``margin``
+        and by the step-time model's error at both configs' batch sizes (:meth:`allowance`), reaches the best
+        config's worst draw (indices into the ranking, best first). Only these are worth the engine's time: one
+        clearly ahead leaves one, a flat top leaves several, and a model that is wrong where they run leaves more.
+        All of them without a margin or without the draws' capacities (the goodput screen)."""
         caps = [TrialRecord.from_attrs(c[1]).screen_capacities or [] for c in self.ranking]
         if self.margin is None or not caps or not caps[0]:
             return list(range(len(self.ranking)))
-        leader = min(caps[0])
-        return [i for i, c in enumerate(caps) if c and max(c) * (1 + self.margin) >= leader]
+        leader, leader_error = min(caps[0]), self.allowance(self.ranking[0][0])
+        return [i for i, c in enumerate(caps)
+                if c and max(c) * (1 + self.margin + leader_error + self.allowance(self.ranking[i][0])) >= leader]
+
+    def largest_allowance(self) -> float:
+        """The largest :meth:`allowance` among the latest ranking's configs."""
+        return max((self.allowance(c[0]) for c in self.ranking), default=0.0)
 
     def untried_contenders(self, study: optuna.Study) -> int:
         """How many :meth:`contenders` of the latest ranking the study has not searched."""

@@ -36,6 +36,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
+from tuner.simulation.batch_error import batch_errors, worst_batch_error
+
 FEATURES = ("const", "tokens", "seqs", "prefill_seqs", "context_tokens", "context_blocks", "prefill_square",
             "swapped_blocks", "prefill_step")
 # Features added after profiles were first written: a profile without one reads it as 0 (its old fit).
@@ -216,6 +218,9 @@ class StepTimeModel:
             prefill, exponent, lo_hi = prefill_power(tokens[sel], y[sel] / pred[sel])
         else:
             prefill, exponent, lo_hi = overall, 0.0, (1.0, 1.0)
+        decoding = ok & ~prefills
+        by_batch = batch_errors([s["num_decode_tokens"] for s, d in zip(steps, decoding) if d],
+                                y[decoding] / (pred[decoding] * decode))
         return StepTimeModel(coef={k: v * decode for k, v in self.coef.items()}, ranges=self.ranges,
                              gap_s=self.gap_s, request_latency_s=self.request_latency_s,
                              token_latency_s=self.token_latency_s, fit_error=self.fit_error, noise=list(self.noise),
@@ -224,7 +229,13 @@ class StepTimeModel:
                                                             "prefill_exponent": exponent,
                                                             "prefill_tokens": list(lo_hi),
                                                             "steps": int(ok.sum()),
-                                                            "prefill_steps": int((ok & prefills).sum())}})
+                                                            "prefill_steps": int((ok & prefills).sum()),
+                                                            "decode_errors": by_batch}})
+
+    def batch_error(self, max_seqs: int | None) -> float | None:
+        """The rescaled model's relative error on the decode batches a config of ``max_seqs`` can run
+        (:mod:`batch_error`); None before a rescale or without a measured bin."""
+        return worst_batch_error(((self.meta.get("rescaled") or {}).get("decode_errors")) or [], max_seqs)
 
     # Predicting ---------------------------------------------------------------------------------------------
     def predict(self, num_prefill_seqs: int, num_prefill_tokens: int, num_decode_tokens: int, context_tokens: int,
