@@ -252,9 +252,11 @@ class CapacityRun:
         default, candidates = self.contenders()
         if not candidates:
             return self.none_shown()
-        # the verdict gets its budget, or what is left of the run's when the searches ran late (one round at least)
+        # the verdict gets what is left of the run's budget (one round at least): its reserve when the searches used
+        # theirs, more when they ended early (a second round that steps down to a new rate costs more than half the
+        # reserve, and a run that stopped with a third of its budget unused left its candidate undecided)
         self.switching_plan()
-        budget = max(0.0, min(p.verdict.budget, self.s.started + p.time_budget - time.monotonic()))
+        budget = max(0.0, self.s.started + p.time_budget - time.monotonic())
         c_level, d_level = pool_levels(p.measurement.level, len(candidates))
         near = self.default_capacity()
         say(f"{PROG}: verdict: the default and {len(candidates)} candidate(s) at fixed rates on fresh arrival draws, "
