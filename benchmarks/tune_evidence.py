@@ -173,11 +173,11 @@ def baseline(out: Path, tuned_yaml: Path, chunks: list[int], simulated: bool = F
         shutil.rmtree(folder, ignore_errors=True)
         engine_ = None if simulated else ManagedEngine(log_path=str(base / f"engine-chunk-{chunk}.log"))
         try:
+            if engine_ is not None:
+                engine_.start()  # before the runner, which reads the engine's config
             runner = simulated_runner(policy) if engine_ is None else TrialRunner(
                 engine_, workload=policy.workload, duration=policy.trial_duration, warmup=policy.warmup,
                 slo=policy.slo, seed=policy.seed, busy_cores=policy.measurement.busy)
-            if engine_ is not None:
-                engine_.start()
             t0 = time.monotonic()
             cap = capacity_searcher(runner, policy).search({"chunk_size": chunk}, folder / "search",
                                                            draw=100 * BASELINE_SEED + 10)
