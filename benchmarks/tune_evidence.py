@@ -167,6 +167,7 @@ def baseline(out: Path, tuned_yaml: Path, chunks: list[int], simulated: bool = F
     policy = load_policy().replace(seed=BASELINE_SEED)
     plan = VerdictPlan.of(policy)
     base = out.with_suffix("")
+    base.mkdir(parents=True, exist_ok=True)
     rows = []
     for chunk in chunks:
         folder = base / f"chunk-{chunk}"
