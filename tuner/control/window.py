@@ -259,7 +259,8 @@ def window(before: Scrape, after: Scrape, slo: SLO) -> WindowStats:
         generations=(int(before.get(names.CONFIG_GENERATION)), int(after.get(names.CONFIG_GENERATION))),
         prompt_lengths=lengths_between(before, after, names.REQUEST_PROMPT_TOKENS),
         output_lengths=lengths_between(before, after, names.REQUEST_GENERATION_TOKENS),
-        mean_gap=_mean_between(before, after, names.INTER_TOKEN_LATENCY), missed_tbt=missed_tbt, missed_ttft=missed_ttft)
+        mean_gap=_mean_between(before, after, names.INTER_TOKEN_LATENCY), missed_tbt=missed_tbt,
+        missed_ttft=missed_ttft)
 
 
 def _mean_between(before: Scrape, after: Scrape, histogram: str) -> float:

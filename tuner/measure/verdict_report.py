@@ -21,7 +21,7 @@ def verdict_line(result: VerdictResult, slo_text: str) -> str:
     if c is None:
         return f"no candidate reached the verdict within {slo_text}: {d_text} ({result.stopped}; {note})"
     mine = c.shown()
-    rate = mine.low if mine.low > 0 else (c.next_rate or max((p.rate for p in c.pools.values()), default=0.0))
+    rate = headline_rate(c)
     diff = result.paired_difference(c, rate)
     theirs = result.default.pool(rate)
     paired = ""
@@ -55,3 +55,10 @@ def capacity_section(result: VerdictResult, chosen: Contender) -> dict[str, Any]
     if chosen is not result.default:
         tuned["ratio_to_default"] = result.ratio(chosen).as_dict()
     return {"tuned": tuned, "default": entry(result.default)}
+
+
+def headline_rate(c: Contender) -> float:
+    """The rate of a candidate's paired headline: the highest it was shown to serve, else the rate it would be
+    measured at next, else the highest it was measured at."""
+    shown = c.shown().low
+    return shown if shown > 0 else (c.next_rate or max((p.rate for p in c.pools.values()), default=0.0))
