@@ -46,7 +46,8 @@ PHASE_TWO_S = 720
 SLO_ARGS = ("1s", "3s")
 PHASE_ONE_RATE = 0.4
 PHASE_TWO_OUTPUT = 16
-PHASE_TWO_LOAD = 1.5  # phase two's rate over what two sequences finish
+PHASE_TWO_LOAD = 1.5  # phase two's rate over what two sequences finish (less where batching gains less: MIN_LOAD)
+MIN_LOAD = 1.2  # at least this overload of the phase-one config, or the shift is no shift
 MOST_SEQUENCES = 16  # the policy's max_num_seqs high; one move from two may reach it (default_max_change 8)
 HEADROOM = 1.25  # sixteen sequences must finish at least this much more than phase two's rate
 ROUNDS = 3  # each finishing rate is the median of this many batches (one batch of two requests lasts a second)
@@ -60,10 +61,12 @@ def phase_two_rate(url: str) -> float:
     engine.patch_config({"max_num_seqs": MOST_SEQUENCES})
     many = statistics.median(engine.finishing_rate(MOST_SEQUENCES, PHASE_TWO_OUTPUT) for _ in range(ROUNDS))
     engine.patch_config(PHASE_ONE_KNOBS)
-    rate = PHASE_TWO_LOAD * two
-    if many < HEADROOM * rate:
+    # a CPU whose batches gain less (16 sequences finishing 1.7x what two do) gets a smaller overload, with room
+    rate = min(PHASE_TWO_LOAD * two, many / HEADROOM)
+    if rate < MIN_LOAD * two:
         pytest.skip(f"on this machine {MOST_SEQUENCES} sequences finish {many:.2f} req/s of {PHASE_TWO_OUTPUT}-token "
-                    f"outputs against {two:.2f} with two: no config in reach serves {rate:.2f} req/s with room")
+                    f"outputs against {two:.2f} with two: no config in reach serves {MIN_LOAD:g}x what two finish "
+                    "with room")
     return rate
 
 
