@@ -208,19 +208,17 @@ class StepTimeModel:
             pred = np.array([plain.predict_record(s, block_size) for s in steps])
         y = np.array([float(s["total_s"]) for s in steps])
         tokens = np.array([s["num_prefill_tokens"] for s in steps], dtype=float)
+        batches = np.array([s["num_decode_tokens"] for s in steps], dtype=float)
         prefills = np.array([s["num_prefill_seqs"] > 0 for s in steps])
         ok = pred > 0
         overall = float(np.median(y[ok] / pred[ok]))
-        sel = ok & ~prefills
-        decode = float(np.median(y[sel] / pred[sel])) if sel.sum() >= min_steps else overall
-        sel = ok & prefills
-        if sel.sum() >= min_steps:
-            prefill, exponent, lo_hi = prefill_power(tokens[sel], y[sel] / pred[sel])
+        decoding, prefilling = ok & ~prefills, ok & prefills
+        decode = float(np.median(y[decoding] / pred[decoding])) if decoding.sum() >= min_steps else overall
+        if prefilling.sum() >= min_steps:
+            prefill, exponent, lo_hi = prefill_power(tokens[prefilling], y[prefilling] / pred[prefilling])
         else:
             prefill, exponent, lo_hi = overall, 0.0, (1.0, 1.0)
-        decoding = ok & ~prefills
-        by_batch = batch_errors([s["num_decode_tokens"] for s, d in zip(steps, decoding) if d],
-                                y[decoding] / (pred[decoding] * decode))
+        by_batch = batch_errors(batches[decoding], y[decoding] / (pred[decoding] * decode))
         return StepTimeModel(coef={k: v * decode for k, v in self.coef.items()}, ranges=self.ranges,
                              gap_s=self.gap_s, request_latency_s=self.request_latency_s,
                              token_latency_s=self.token_latency_s, fit_error=self.fit_error, noise=list(self.noise),
@@ -229,7 +227,7 @@ class StepTimeModel:
                                                             "prefill_exponent": exponent,
                                                             "prefill_tokens": list(lo_hi),
                                                             "steps": int(ok.sum()),
-                                                            "prefill_steps": int((ok & prefills).sum()),
+                                                            "prefill_steps": int(prefilling.sum()),
                                                             "decode_errors": by_batch}})
 
     def batch_error(self, max_seqs: int | None) -> float | None:
