@@ -256,8 +256,8 @@ def simulated(out: Path, seeds: tuple[int, ...]) -> dict[str, Any]:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             rc = CapacityRun(session.context(), sim, study, "sim").run()
         (folder / "tune.log").write_text(log.getvalue())
-        run = {"seed": seed, "rc": rc, "seconds": time.monotonic() - t0,
-               "last_line": (log.getvalue().strip().splitlines() or [""])[-1]} | read_run(folder)
+        run: dict[str, Any] = {"seed": seed, "rc": rc, "seconds": time.monotonic() - t0,
+                               "last_line": (log.getvalue().strip().splitlines() or [""])[-1]} | read_run(folder)
         run["claims"] = checked_claims(folder, sim, policy)
         runs.append(run)
         wrong = sum(not c["true"] for c in run["claims"])

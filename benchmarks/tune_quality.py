@@ -20,6 +20,11 @@ simulator's error on it, and tune's answers set against its best.
         times rescaled to the default's steps (what the screen ranks by) and to all the design's steps; the capacity
         error |predicted / measured - 1| (median and 90th percentile) and the Spearman rank correlation, each with a
         bootstrap interval over the configs; each included answer's capacity over the best's; what each knob brings.
+    python benchmarks/tune_quality.py answers --table docs/benchmarks/tune-quality-mixed.json \\
+            --out docs/benchmarks/tune-quality-mixed-answers.json
+        The README's main command once per seed of ANSWER_SEEDS (on the table's workload), then on a fresh engine the
+        run's tuned config and the table's best searched back to back on the design's draws: the answer's capacity
+        over the best's at the same time (and over the table's), and tune's shown capacity over the best's.
     python benchmarks/tune_quality.py --simulated design --out /tmp/q.json
         The same with the simulator standing in for the engine (a check of the script, not evidence).
 
@@ -67,6 +72,7 @@ FILL = 16  # the space-filling remainder
 ONE_KNOB_CHUNK = 16
 BOOTSTRAP = 4000  # bootstrap resamples of the configs for the intervals
 LEVEL = 0.95
+ANSWER_SEEDS = (61, 62, 63)  # the tune runs set against a table (fixed before the runs)
 
 
 def entries(policy: Policy, sim: Any, folder: Path, includes: list[Path]) -> list[tuple[str, dict[str, Any]]]:
@@ -265,6 +271,43 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "simulator_error": {label: simulator_error(rows, label) for label in ("screen", "all_steps")}}
 
 
+def answers(table_path: Path, out: Path) -> dict[str, Any]:
+    """tune once per ANSWER_SEEDS; each answer and the table's best then searched side by side on a fresh engine."""
+    from tune_evidence import run_tune  # a sibling script: the README's main command in a fresh folder
+
+    table = json.loads(table_path.read_text())
+    best = table["best"]
+    policy_file = table_path.with_suffix(".policy.yaml")
+    extra = [] if table["workload"] == "mixed" else ["--policy", str(policy_file)]
+    policy = load_policy(policy_file if extra else None)
+    base = out.with_suffix("")
+    runs = []
+    for i, seed in enumerate(ANSWER_SEEDS):
+        run = run_tune(base / f"run-{i}", ["--seed", str(seed), *extra]) | {"seed": seed}
+        print(f"seed {seed}: rc {run['rc']} in {run['seconds']:.0f}s: {run['last_line']}", flush=True)
+        tuned = (run.get("tuned") or {}).get("knobs")
+        if tuned:
+            d = Design(policy, base / f"run-{i}" / "side-by-side", simulated=False)
+            (d.folder).mkdir(parents=True, exist_ok=True)
+            try:
+                d.open()
+                same = config_key({**d.base, **tuned}) == config_key(best["knobs"])
+                rows = [d.measure("answer" + (" = best" if same else ""), tuned)]
+                if not same:
+                    rows.append(d.measure("best", best["knobs"]))
+            finally:
+                d.close()
+            shown_low = float(((run["tuned"].get("capacity_req_per_s") or {}).get("bracket") or [0.0])[0] or 0.0)
+            run["side_by_side"] = {"rows": rows, "answer_over_best": ratio_to(rows[0], rows[-1]),
+                                   "answer_over_table_best": ratio_to(rows[0], best),
+                                   "shown_over_best": shown_low / rows[-1]["req_per_s"] if rows[-1]["req_per_s"]
+                                   else None}
+            print(f"  answer over best, side by side: {run['side_by_side']['answer_over_best']}; shown over best: "
+                  f"{run['side_by_side']['shown_over_best']}", flush=True)
+        runs.append(run)
+    return {"table": str(table_path), "best": best, "runs": runs, "seeds": list(ANSWER_SEEDS)}
+
+
 def workload_policy(workload: str, trace: Path | None, folder: Path) -> Policy:
     if workload == "mixed":
         return load_policy()
@@ -279,7 +322,8 @@ def workload_policy(workload: str, trace: Path | None, folder: Path) -> Policy:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("design", "summary"))
+    p.add_argument("what", choices=("design", "summary", "answers"))
+    p.add_argument("--table", type=Path, help="answers: the design's JSON whose best the answers are set against")
     p.add_argument("--workload", choices=("mixed", "azure"), default="mixed")
     p.add_argument("--trace", type=Path, help="azure: the Azure conversation trace (AzureLLMInferenceTrace_conv.csv)")
     p.add_argument("--include", type=Path, nargs="*", default=[], help="design: tuned.yaml files whose config joins")
@@ -291,6 +335,13 @@ def main() -> int:
     for path in a.include:
         if not path.is_file():
             raise SystemExit(f"--include: no such tuned.yaml: {path}")
+    if a.what == "answers":
+        if a.table is None or not a.table.is_file():
+            raise SystemExit(f"answers needs --table FILE (a design's JSON); got {a.table}")
+        result = answers(a.table.resolve(), out) | {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        print(f"wrote {out} ({result['cpu']})")
+        return 0
     if a.what == "summary":  # the figures again from a design's rows (after a change to how they are summarised)
         result = json.loads(out.read_text())
         result.update(summary(result["rows"]))

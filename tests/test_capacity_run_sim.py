@@ -14,6 +14,7 @@ from slotune.slo import SLO
 from tests import trace_files
 from policies import load_policy
 from tuner.commands.capacity_run import CapacityRun
+from tuner.commands.nearest_run import none_shown
 from tuner.commands.tune import build_parser
 from tuner.commands.session import TuneSession
 from tuner.simulation.profiles import limits_of, profile_path
@@ -162,6 +163,16 @@ def test_a_ttft_target_the_prompts_miss_even_one_at_a_time_stops_before_searchin
     assert not (tmp_path / "out" / "tuned.yaml").exists()
     floor = yaml.safe_load(next((tmp_path / "out" / "tuned-trials").glob("*/floor/floor.json")).read_text())
     assert floor["one_at_a_time"]["binds"] == ["ttft"] and floor["one_at_a_time"]["attainment"]["high"] < 0.9
+    # and what it serves at the nearest targets it meets: the TTFT target raised to what the requests reached, the
+    # default config's capacity searched there
+    found = re.search(r"the nearest targets this machine meets \(90% of the requests reached them one request at a "
+                      r"time\): p99 TBT <= 1.00s and p99 TTFT <= (\d+)ms; there the default config serves: searched ([\d.]+) "
+                      r"req/s", err)
+    assert found, err
+    nearest = yaml.safe_load(next((tmp_path / "out" / "tuned-trials").glob("*/nearest.json")).read_text())
+    assert nearest["slo"]["ttft_p99"] == int(found.group(1)) / 1000 > floor["one_at_a_time"]["ttft"]["value"]
+    assert nearest["slo"]["tbt_p99"] == 1.0 and nearest["asked"]["ttft_p99"] == 0.001
+    assert math.isclose(nearest["capacity"]["req_per_s"], float(found.group(2)), rel_tol=0.01) and nearest["capacity"]["req_per_s"] > 0
     # the same targets that one request at a time meets: the search goes on
     rc, out, err = run_on_the_simulator(tmp_path / "loose", 1.0, capsys, ttft=10.0)
     assert "error" not in err and "binds" not in out
@@ -240,6 +251,16 @@ def test_when_nothing_was_shown_served_the_last_lines_tell_undecided_from_missed
     assert re.search(r"  at 0.5 req/s: TTFT <= 20ms binds \(\d+% \([\d.]+-[\d.]+\) within it\); 90% of the requests "
                      r"reached TTFT [\d.]+s \([\d.?]+-[\d.?]+\), p99 TBT [\d.]+ms", err), err
     assert "every rate probed was missed: the targets each config reached at its lowest rate" in err
+    # the run's own targets were those: the config nearest to them is searched at the nearest targets it meets
+    tight_policy = policy.replace(slo=policy.slo.__class__(tbt_p99=0.05, ttft_p99=0.02))
+    tight_session = TuneSession(build_parser().parse_args(["--out", str(tmp_path / "tight" / "tuned.yaml")]),
+                                tight_policy, storage, None)
+    assert none_shown(tight_session.context(), tight, study) == 1
+    err = capsys.readouterr().err
+    found = re.search(r"the nearest targets this machine meets \(90% of the requests reached them at 0.5 req/s\): "
+                      r"p99 TBT <= 50ms and p99 TTFT <= [\d.]+m?s; there the default config serves: searched "
+                      r"([\d.]+) req/s", err)
+    assert found and float(found.group(1)) >= 0.5, err
 
 
 # the real conversation trace: the full one where present, else the excerpt the repository ships

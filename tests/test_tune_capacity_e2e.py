@@ -1,5 +1,5 @@
 """`tune` with the capacity objective on the default model, end to end: an SLO below the machine's floor stops at
-once with the measured floor (exit 1, no tuned.yaml); a short study (slow) claims only what its evidence shows."""
+once with the measured floor and the capacity at the nearest targets it meets (exit 1, no tuned.yaml); a short study (slow) claims only what its evidence shows."""
 
 from __future__ import annotations
 
@@ -48,6 +48,10 @@ def test_an_slo_below_the_floor_stops_before_searching_with_the_measured_floor(t
     assert "nothing written" in proc.stderr
     assert not (tmp_path / "out" / "tuned.yaml").exists() and not (tmp_path / "out" / "tuned.html").exists()
     assert not list((tmp_path / "out" / "tuned-trials").glob("*/trial-*"))  # no trial was started
+    # what the machine serves instead: the default config's capacity at the nearest targets it meets
+    assert re.search(r"the nearest targets this machine meets \(90% of the requests reached them one request at a "
+                     r"time\): p99 TBT <= [\d.]+ms and p99 TTFT <= 5.00s; there the default config serves: ",
+                     proc.stderr), proc.stderr
 
 
 @pytest.mark.slow

@@ -19,13 +19,12 @@ import optuna
 
 from slotune import result_files as files
 from slotune.units import format_duration
-from tuner.commands.progress import PROG, LiveLine, say
+from tuner.commands.nearest_run import floor_stop, none_shown
+from tuner.commands.progress import PROG, LiveLine, probe_line, say
 from tuner.commands.run_context import RunContext
 from slotune.slo import SLO
 from tuner.measure.capacity import MIN_RATE, CapacitySearcher, Shown, capacity_searcher, measurement_spec
 from tuner.measure.floor import measure_floor
-from tuner.measure.measurement import Measurement
-from tuner.measure.targets import Reached
 from engine.knobs import short_knobs
 from tuner.output import write_report, write_tuned_yaml, write_vllm
 from tuner.simulation.simulator_trial import SimTrialRunner
@@ -58,7 +57,7 @@ class CapacityRun:
         self.study = study
         self.model = model
         self.searcher: CapacitySearcher = capacity_searcher(runner, self.p)
-        self.searcher.on_probe = self.probe_line
+        self.searcher.on_probe = probe_line
         self.searcher.draw = context.draws.search
         self.plan = VerdictPlan.of(self.p)
         self.floor: dict[str, Any] = {}
@@ -66,9 +65,6 @@ class CapacityRun:
         if isinstance(runner, TrialRunner):  # on a terminal: a live line while the load runs
             runner.on_progress = LiveLine([k.name for k in self.p.search_space], context.started + self.p.time_budget,
                                           path=context.trials_dir / files.PROGRESS)
-
-    def probe_line(self, m: Measurement) -> None:
-        say(f"    {m.rate:.3g} req/s: {m.describe()}")
 
     def run(self) -> int:
         p = self.p
@@ -83,11 +79,11 @@ class CapacityRun:
         if floor.alone is not None:
             say(f"{PROG}: floor: {floor.alone.describe()}")
         if floor.reason is not None or floor.below(slo):
-            why = floor.reason or floor.why_below(slo)
-            print(f"{PROG}: error: {why}; no config can meet it here (nothing written; floor: "
-                  f"{self.s.trials_dir / 'floor' / 'floor.json'})", file=sys.stderr)
+            code = floor_stop(self.s, self.runner, floor.reason or floor.why_below(slo),
+                              floor.alone.targets if floor.alone is not None and floor.reason is None else None,
+                              floor.rate)
             say(f"{PROG}: stopped after {format_duration(time.monotonic() - self.s.started)}" + self.restarts_text())
-            return 1
+            return code
         say(f"{PROG}: study {self.s.study_name!r}: capacity (highest rate with >= 90% of requests within "
             f"{self.s.slo_text()}) of {p.trials} configs, the default included; windows of "
             f"{format_duration(p.trial_duration)} until decided (at most {format_duration(p.measurement.cap)}), "
@@ -251,7 +247,7 @@ class CapacityRun:
         p = self.p
         default, candidates = self.contenders()
         if not candidates:
-            return self.none_shown()
+            return none_shown(self.s, self.runner, self.study)
         # the verdict gets what is left of the run's budget (one round at least): its reserve when the searches used
         # theirs, more when they ended early (a second round that steps down to a new rate costs more than half the
         # reserve, and a run that stopped with a third of its budget unused left its candidate undecided)
@@ -275,36 +271,6 @@ class CapacityRun:
                                 cost=self.plan.round_cost)
         chosen, held = self.choose(result)
         return self.write(result, chosen, held)
-
-    def none_shown(self) -> int:
-        """No candidate read served at any rate it was searched at: what each search saw, worded by its verdicts (an
-        undecided rate is at the edge of the target share, not missed), on stderr and in the report; exit 1."""
-        report = self.s.out.with_suffix(".html")
-        names = [k.name for k in self.p.search_space]
-        lines, undecided = [], False
-        for t in measured(self.study):
-            record = TrialRecord.from_trial(t)
-            cap = record.capacity
-            if cap is None:
-                continue
-            probes = sorted(cap.get("probes") or [], key=lambda m: -m["rate"])
-            undecided |= any(m["verdict"] == "undecided" for m in probes)
-            who = "default config" if record.role == ROLE_DEFAULT else short_knobs(record.knobs or {}, names)
-            lines.append(f"  #{t.number} {who}: " + ", ".join(f"{m['verdict']} at {m['rate']:.3g} req/s"
-                                                               for m in probes) + f" ({cap.get('stopped')})")
-            lowest = probes[-1] if probes else None
-            if lowest is not None and lowest.get("reached"):
-                lines.append(f"    at {lowest['rate']:.3g} req/s: " + Reached.from_dict(lowest["reached"]).describe())
-        advice = ("undecided is not missed: at the edge of the target share only more requests decide (a longer "
-                  "measurement cap in the policy), and a looser target serves more" if undecided else
-                  "every rate probed was missed: the targets each config reached at its lowest rate above are the "
-                  "nearest ones it would meet there")
-        head = f"{PROG}: no candidate config read served at any rate searched within {self.s.slo_text()}"
-        write_report(report, self.study, self.p.slo.as_dict(), f"tune: {self.s.study_name}",
-                     [head] + lines + [advice])
-        print("\n".join([head + f" ({len(lines)} configs searched):"] + lines + [f"  {advice}; report: {report}"]),
-              file=sys.stderr)
-        return 1
 
     def twin(self, model: StepTimeModel | None) -> SimTrialRunner:
         """The simulator that stands for the engine with ``model``'s step times (a simulated engine, in tests: that

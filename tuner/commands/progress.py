@@ -15,6 +15,7 @@ from typing import Any, TextIO
 
 from engine.knobs import short_knobs
 from slotune.units import format_duration
+from tuner.measure.measurement import Measurement
 
 PROG = "tune"
 _CLEAR = "\r\033[K"  # back to the line's start, and erase it
@@ -29,6 +30,11 @@ def say(text: str, stream: TextIO | None = None) -> None:
     """One of tune's lines (over the live line, where one is drawn)."""
     out = stream or sys.stdout
     print((_CLEAR if _live(out) else "") + text, file=out, flush=True)
+
+
+def probe_line(m: Measurement) -> None:
+    """A capacity search's probe, as it ends."""
+    say(f"    {m.rate:.3g} req/s: {m.describe()}")
 
 
 @dataclass
