@@ -444,6 +444,14 @@ def test_the_engine_searches_only_the_screened_configs_the_simulator_cannot_tell
     rescreen.model = wrong
     assert rescreen.allowance(params(1)) == 0.0 and rescreen.allowance(params(2)) == pytest.approx(0.25)
     assert rescreen.contenders() == [0, 1, 2, 3] and rescreen.largest_allowance() == pytest.approx(0.25)
+    # or its prefill steps of 64 tokens or more 20 % off: a config whose token budget reaches them carries that
+    prefill = StepTimeModel(coef={}, ranges={}, meta={"rescaled": {"decode_errors": [[1, 1, 1.0, 50]],
+                                                                   "prefill_errors": [[32, 63, 1.0, 50],
+                                                                                      [64, 127, 1.2, 50]]}})
+    rescreen.model = prefill
+    assert rescreen.allowance({"max_num_seqs": 1, "max_num_batched_tokens": 32}) == 0.0
+    assert rescreen.allowance({"max_num_seqs": 1, "max_num_batched_tokens": 64}) == pytest.approx(0.2)
+    assert rescreen.allowance({"max_num_seqs": 1, "chunk_size": 128}) == pytest.approx(0.2)
     # without the draws' capacities (the goodput screen) every ranked config may be searched, up to ``top``
     plain = Rescreen(None, lambda model: [(p, {}) for p, _ in ranked], top=3, margin=0.15)
     assert plain.enqueue_next(optuna.create_study()) is not None and plain.contenders() == [0, 1, 2, 3]

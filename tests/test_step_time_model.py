@@ -143,6 +143,29 @@ def test_rescaled_says_how_wrong_one_factor_is_at_each_decode_batch_size() -> No
     assert model.batch_error(None) is None  # not rescaled: nothing measured to say it
 
 
+def test_rescaled_says_how_wrong_its_prefill_law_is_at_each_size_of_prefill_step() -> None:
+    """A machine whose prefill steps of 64-127 tokens cost 1.5x the profile and the others 1.0x (no power law of the
+    tokens fits that): the rescaled model says where its law is off, the bump's bin above its neighbours, and a
+    config's allowance grows with the steps its token budget reaches; on a machine whose prefill is uniformly
+    slower (a law fits) the error is small."""
+    model = StepTimeModel.fit(synthetic_steps(400, seed=3))
+    bump = [{**s, "total_s": s["total_s"] * (1.5 if 64 <= s["num_prefill_tokens"] < 128 and s["num_prefill_seqs"]
+                                             else 1.0)} for s in synthetic_steps(4000, seed=4, noise=0.05)]
+    adapted = model.rescaled(bump)
+    assert adapted is not None
+    errors = adapted.meta["rescaled"]["prefill_errors"]
+    ratio = {(lo, hi): r for lo, hi, r, _ in errors}  # measured / predicted after the law
+    assert ratio[64, 127] > 1.2 * max(ratio[32, 63], ratio[128, 255])  # the bump, where it is
+    assert adapted.prefill_error(None) == adapted.prefill_error(4096) > 0.2
+    budgets = [adapted.prefill_error(t) or 0.0 for t in (16, 32, 64, 128, 256)]
+    assert budgets == sorted(budgets) and budgets[3] >= ratio[64, 127] - 1  # a larger budget runs every smaller step
+    assert StepTimeModel.from_dict(adapted.to_dict()).prefill_error(128) == adapted.prefill_error(128)
+    even = model.rescaled([{**s, "total_s": s["total_s"] * (1.4 if s["num_prefill_seqs"] else 1.0)}
+                           for s in synthetic_steps(4000, seed=4, noise=0.05)])
+    assert even is not None and even.prefill_error(None) is not None and even.prefill_error(None) < 0.05
+    assert model.prefill_error(None) is None  # not rescaled: nothing measured to say it
+
+
 def test_rescaled_moves_prefill_and_decode_steps_by_their_own_factors() -> None:
     # a machine whose decode steps run 1.7x the profile and whose prefill steps run 1.4x (another memory system,
     # other matrix units): one factor would miss both

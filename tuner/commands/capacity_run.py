@@ -174,7 +174,7 @@ class CapacityRun:
         rescreen.enqueue_next(self.study)
         near = len(rescreen.contenders())
         worst = rescreen.largest_allowance()
-        model = f" and up to +{worst:.0%} for its step times at their batch sizes" if worst else ""
+        model = f" and up to +{worst:.0%} for its step times at their step shapes" if worst else ""
         say(f"{PROG}: {near} screened config{'s' if near != 1 else ''} the simulator cannot tell from the best (its "
             f"best draw, +{self.p.capacity.resolution:.0%} for the simulator's error{model}, reaches the best's "
             f"worst): the engine searches {'it' if near == 1 else 'them'} in turn, {min(near, top)} at most in this "

@@ -118,12 +118,16 @@ class Rescreen:
         return True
 
     def allowance(self, params: dict[str, Any]) -> float:
-        """The step-time model's error on the decode batches a config can run (up to its ``max_num_seqs``; any
-        measured batch when the knob is not searched), as the latest ranking's rescale measured it; 0 before one."""
+        """The step-time model's error on the steps a config can run, as the latest ranking's rescale measured it:
+        the worse of its decode batches (up to its ``max_num_seqs``) and its prefill steps (up to its
+        ``max_num_batched_tokens``, else its ``chunk_size``), any measured bin where the knob is not searched; 0
+        before a rescale."""
         if self.model is None:
             return 0.0
         seqs = params.get("max_num_seqs")
-        return self.model.batch_error(int(seqs) if seqs is not None else None) or 0.0
+        tokens = params.get("max_num_batched_tokens", params.get("chunk_size"))
+        return max(self.model.batch_error(int(seqs) if seqs is not None else None) or 0.0,
+                   self.model.prefill_error(int(tokens) if tokens is not None else None) or 0.0)
 
     def contenders(self) -> list[int]:
         """The ranked configs the simulator cannot tell from the best: those whose best draw, raised by ``margin``

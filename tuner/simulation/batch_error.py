@@ -5,6 +5,9 @@ scaling differs from the calibration CPU's (its step at 8 sequences costs nearly
 is right on average and wrong at both ends, and so is every capacity the simulator predicts for a config that runs
 there. The residual ratio per batch-size bin says how wrong, where the study measured steps of that size; a config's
 allowance is the worst of the bins it can run (up to its ``max_num_seqs``).
+
+The same bins serve the steps that prefill, by their prefill tokens: the rescale fits those a power law of the
+tokens, and the residual per bin says where a config's token budget (its largest prefill step) lies off that law.
 """
 
 from __future__ import annotations

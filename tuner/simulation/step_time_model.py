@@ -219,6 +219,11 @@ class StepTimeModel:
         else:
             prefill, exponent, lo_hi = overall, 0.0, (1.0, 1.0)
         by_batch = batch_errors(batches[decoding], y[decoding] / (pred[decoding] * decode))
+        # the prefill steps' residual after their power law, by the step's prefill tokens (what a config's token
+        # budget bounds): a chunk size the law fits badly shows here
+        lo, hi = lo_hi
+        law = prefill * (np.clip(tokens, lo, hi) / math.sqrt(lo * hi)) ** exponent
+        by_tokens = batch_errors(tokens[prefilling], y[prefilling] / (pred[prefilling] * law[prefilling]))
         return StepTimeModel(coef={k: v * decode for k, v in self.coef.items()}, ranges=self.ranges,
                              gap_s=self.gap_s, request_latency_s=self.request_latency_s,
                              token_latency_s=self.token_latency_s, fit_error=self.fit_error, noise=list(self.noise),
@@ -228,12 +233,19 @@ class StepTimeModel:
                                                             "prefill_tokens": list(lo_hi),
                                                             "steps": int(ok.sum()),
                                                             "prefill_steps": int(prefilling.sum()),
-                                                            "decode_errors": by_batch}})
+                                                            "decode_errors": by_batch,
+                                                            "prefill_errors": by_tokens}})
 
     def batch_error(self, max_seqs: int | None) -> float | None:
         """The rescaled model's relative error on the decode batches a config of ``max_seqs`` can run
         (:mod:`batch_error`); None before a rescale or without a measured bin."""
         return worst_batch_error(((self.meta.get("rescaled") or {}).get("decode_errors")) or [], max_seqs)
+
+    def prefill_error(self, max_tokens: int | None) -> float | None:
+        """The rescaled model's relative error on the prefill steps a config whose steps hold at most ``max_tokens``
+        tokens can run (by power-of-two bins of a step's prefill tokens, :mod:`batch_error`); None before a rescale
+        or without a measured bin."""
+        return worst_batch_error(((self.meta.get("rescaled") or {}).get("prefill_errors")) or [], max_tokens)
 
     # Predicting ---------------------------------------------------------------------------------------------
     def predict(self, num_prefill_seqs: int, num_prefill_tokens: int, num_decode_tokens: int, context_tokens: int,
