@@ -127,7 +127,7 @@ def test_a_broken_candidate_is_rolled_back_at_its_first_block() -> None:
 
 
 def test_a_block_whose_queue_grew_counts_the_requests_it_left_waiting() -> None:
-    grew = WindowStats(0.0, 15.0, 10, 25, 9, 0.05, 0, 0, 0, 0, (3, 3))
+    grew = WindowStats(0.0, 15.0, 10, 25, 9, 0.05, 0, 0, 0, 0, (3, 3), missed_tbt=1)
     assert judged_block(0, "applied", grew, 3).share == pytest.approx(9 / 25)
     assert judged_block(1, "candidate", None, 4).judged == 0
 

@@ -5,8 +5,12 @@ Attainment as the project defines it: a request attains when its own p99 inter-t
 (and its TTFT within the TTFT target when set). The engine exports each finished request's own p99 gap as a histogram, so the
 attaining count is that histogram's bucket at the target, as an increase between the scrapes, over all requests
 that finished (aborted ones do not attain). A target between two bucket bounds is read at the bound below it (only
-requests sure to attain count). With a TTFT target the engine's two histograms give the marginal counts only, so the
-attaining count is the smaller of the two (an upper bound of the joint count).
+requests sure to attain count). With a TTFT target the engine's two histograms give the marginal counts only, and
+count at different moments: the TBT one at a request's finish, the TTFT one at its first token. The attaining count
+is the requests that finished less the larger of the two targets' misses, each as its own histogram counts them (an
+upper bound of the joint count). Not the smaller of the two attaining counts: in a window where more requests finish
+than start (a queue draining, a block after a switch) the TTFT histogram holds fewer requests than finished, and
+every request it did not see would read as a miss.
 
 The lengths come from the engine's per-request histograms (``slotune_request_prompt_tokens``,
 ``slotune_request_generation_tokens``): both observed when a request finishes, so a window's prompt and output
@@ -168,7 +172,7 @@ class WindowStats:
     mean_gap: float = math.nan  # seconds between two tokens of one request, over the window's gaps
     # each target's misses as its own histogram counts them, unclipped: the TBT one at a request's finish, the TTFT
     # one at its first token, so consecutive windows' figures add up to their span's (the attaining count above,
-    # clipped per window, does not)
+    # finished less the larger of the two and clipped per window, does not)
     missed_tbt: float = 0.0
     missed_ttft: float = 0.0
 
@@ -241,7 +245,7 @@ def window(before: Scrape, after: Scrape, slo: SLO) -> WindowStats:
                         "the TTFT-attaining count")
         missed_ttft = delta(after.get(names.hist_count(names.TTFT)), before.get(names.hist_count(names.TTFT)),
                             "first tokens") - ttft_ok
-        attaining = min(attaining, ttft_ok)
+        attaining = min(attaining, finished - missed_ttft)
     # A request may finish between the two histogram reads of one scrape: never more attaining than finished.
     finished_n = round(finished)
     return WindowStats(
