@@ -305,6 +305,10 @@ def answers(table_path: Path, out: Path) -> dict[str, Any]:
             print(f"  answer over best, side by side: {run['side_by_side']['answer_over_best']}; shown over best: "
                   f"{run['side_by_side']['shown_over_best']}", flush=True)
         runs.append(run)
+        # written after each run: a session that ends early keeps the runs it made
+        out.write_text(json.dumps({"table": str(table_path), "best": best, "runs": runs, "seeds": list(ANSWER_SEEDS),
+                                   "cpu": cpu_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%S")},
+                                  indent=1, default=str) + "\n")
     return {"table": str(table_path), "best": best, "runs": runs, "seeds": list(ANSWER_SEEDS)}
 
 
