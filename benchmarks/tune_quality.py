@@ -312,6 +312,22 @@ def answers(table_path: Path, out: Path) -> dict[str, Any]:
     return {"table": str(table_path), "best": best, "runs": runs, "seeds": list(ANSWER_SEEDS)}
 
 
+def markdown(result: dict[str, Any]) -> str:
+    """The design's rows as a table for BENCHMARKS.md."""
+    def bracket(b: list[float | None]) -> str:
+        return f"{b[0]:.3g}-{'?' if b[1] is None else f'{b[1]:.3g}'}"
+
+    lines = ["| config | knobs | searched req/s | simulator (default's steps / all steps) | decode speed | minutes |",
+             "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        pred = r.get("predicted") or {}
+        sim = " / ".join(f"{pred[k]['req_per_s']:.3g}" for k in ("screen", "all_steps") if k in pred)
+        speed = f"x{r['speed']['decode']:.2f}" if r.get("speed") else "-"
+        lines.append(f"| {r['name']} | {short(r['knobs'])} | {bracket(r['bracket'])} | {sim} | {speed} | "
+                     f"{r['seconds'] / 60:.1f} |")
+    return "\n".join(lines)
+
+
 def workload_policy(workload: str, trace: Path | None, folder: Path) -> Policy:
     if workload == "mixed":
         return load_policy()
@@ -349,6 +365,7 @@ def main() -> int:
     if a.what == "summary":  # the figures again from a design's rows (after a change to how they are summarised)
         result = json.loads(out.read_text())
         result.update(summary(result["rows"]))
+        print(markdown(result))
     else:
         policy = workload_policy(a.workload, a.trace, out.with_suffix(""))
         result = run_design(out, policy, [p.resolve() for p in a.include], a.simulated)
