@@ -6,7 +6,7 @@
                  drift_reference: 5m, drift_alarms_per_hour: 0.05,
                  attainment_alarms_per_hour: 0.05, schedule: null}
     canary:     {block: 20s, settle: 5s, level: 0.025, power: 0.8, min_effect: 0.1, max_window: 15m,
-                 lease_margin: 30s, rollback_drop: 0.15}
+                 lease_margin: 30s, rollback_drop: 0.15, share: 0.5}
     retune:     {candidates: 48, draws: 8, headroom: 1.25, sim_duration: 30s, step_history: 300s}
 
 Every error names its field; contradictions between fields (a bound outside the search space, a frozen knob with a
@@ -81,6 +81,9 @@ class Canary:
     max_window: float = 900.0  # the longest canary: at most max_window / (2 block) pairs
     lease_margin: float = 30.0  # the candidate's lease = 2 block + this: a dead controller leaves nothing behind
     rollback_drop: float = 0.15  # roll back at once when attainment falls by more than this, beyond the noise
+    # on a fleet: the share of its replicas that runs the candidate in a block (one replica at least); as many run
+    # the applied config as its control, and the two groups trade within each pair
+    share: float = 0.5
 
     @property
     def lease_s(self) -> float:
@@ -225,6 +228,7 @@ class CanaryDoc(SectionDoc):
     max_window: PositiveSeconds = Canary.max_window
     lease_margin: PositiveSeconds = Canary.lease_margin
     rollback_drop: float = Field(Canary.rollback_drop, ge=0, le=1)
+    share: float = Field(Canary.share, gt=0, le=0.5)
 
     @model_validator(mode="after")
     def _windows(self) -> CanaryDoc:

@@ -222,3 +222,56 @@ def test_a_large_gain_is_kept_at_the_planned_pairs_not_at_the_longest_window() -
                 at_plan += verdict.action == "keep" and b + 1 == 2 * plan.pairs
                 break
     assert at_plan >= 0.8 * draws
+
+
+def fleet_canary(rng: np.random.Generator, replicas: int, rate: float, gain: float, seed: int,
+                 spec: Canary = SPEC) -> str:
+    """One canary on a fleet whose replicas share the traffic's wander (bursts reach all of them) but differ in
+    their own attainment (one replica on a slower host), judged at every block: its outcome."""
+    plan = plan_switchback(spec, rate, 0.85, 0.0, seed, fleet=replicas)
+    traffic = [Traffic(rng, rate / replicas, base) for base in np.linspace(0.78, 0.92, replicas)]
+    blocks: list[Block] = []
+    for i in range(2 * plan.most_pairs):
+        common = rng.normal(0.0, 0.05)  # a burst every replica sees in this block
+        for r, arm in plan.assignment(i).items():
+            k, n = traffic[r].step((gain if arm == "candidate" else 0.0) + common)
+            blocks.append(Block(i, arm, k, n, n, n, 1, r))
+        verdict = judge_switchback(blocks, plan, spec)
+        if verdict.action != "continue":
+            return verdict.action
+    raise AssertionError("the canary outlived its longest window")
+
+
+def test_on_a_fleet_a_share_of_the_replicas_runs_the_candidate_and_as_many_its_control() -> None:
+    two = plan_switchback(SPEC, 2.0, 0.85, 0.0, seed=4, fleet=2)
+    assert sorted(two.replicas) == [0, 1] and two.group == 1
+    four = plan_switchback(SPEC, 2.0, 0.85, 0.0, seed=4, fleet=4)
+    assert sorted(four.replicas) == [0, 1, 2, 3] and four.group == 2
+    for block in range(2 * four.pairs):
+        arms = four.assignment(block)
+        assert sorted(arms.values()) == ["applied", "applied", "candidate", "candidate"]
+        # the groups trade within each pair: every replica runs each config once a pair
+        other = four.assignment(block ^ 1)
+        assert all(other[r] != arm for r, arm in arms.items())
+    five = plan_switchback(SPEC, 2.0, 0.85, 0.0, seed=4, fleet=5)
+    assert len(five.replicas) == 4 and five.group == 2  # one replica keeps the applied config, unmeasured
+    eighth = plan_switchback(Canary(share=0.125), 2.0, 0.85, 0.0, seed=4, fleet=8)
+    assert len(eighth.replicas) == 2 and eighth.group == 1
+    # more replicas measured in each block: fewer pairs for the same power
+    assert four.pairs <= two.pairs and four.as_dict()["group"] == 2
+
+
+def test_on_a_fleet_of_four_a_no_better_candidate_is_kept_at_most_at_the_level() -> None:
+    rng = np.random.default_rng(11)
+    draws = 300
+    kept = sum(fleet_canary(rng, 4, 4.0, 0.0, 7_000 + i) == "keep" for i in range(draws)) / draws
+    assert at_most(kept, SPEC.level, draws)
+
+
+@pytest.mark.slow
+def test_on_a_fleet_of_four_a_ten_point_gain_is_kept_at_the_power_the_plan_states() -> None:
+    rng = np.random.default_rng(12)
+    draws = 400
+    stated = plan_switchback(SPEC, 1.6, 0.85, 0.0, 0, fleet=4).power
+    kept = sum(fleet_canary(rng, 4, 1.6, 0.10, 8_000 + i) == "keep" for i in range(draws)) / draws
+    assert kept >= stated - 3 * math.sqrt(stated * (1 - stated) / draws), (kept, stated)

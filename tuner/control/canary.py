@@ -2,10 +2,12 @@
 crossover on a fleet.
 
 On one engine the candidate and the applied config take turns in blocks (``canary.block`` seconds each), two
-blocks to a pair, which config goes first in a pair drawn at random. On a fleet two replicas (drawn at random)
-trade the candidate: in each block one runs it while the other runs the applied config as its control over the
-same seconds, and which replica runs it first in a pair is drawn at random; the pair's difference averages the two
-blocks' (the replicas' own differences cancel). The first ``canary.settle`` seconds of a block are not measured
+blocks to a pair, which config goes first in a pair drawn at random. On a fleet two groups of replicas (drawn at
+random, each ``canary.share`` of the fleet, one replica at least; two replicas: one each) trade the candidate: in
+each block one group runs it while the other runs the applied config as its control over the same seconds, and which
+group runs it first in a pair is drawn at random; the pair's difference averages the two blocks' (the replicas' own
+differences cancel). Replicas in neither group keep the applied config and are not measured: a control that never
+trades would break the symmetry the test rests on. The first ``canary.settle`` seconds of a block are not measured
 (requests of the config before are still finishing); the rest gives the block's attainment. The decision to keep
 rests on the pairs' differences (candidate minus applied) alone:
 
@@ -65,8 +67,10 @@ class SwitchbackPlan:
     power: float  # the power at that gain with ``pairs`` pairs (below canary.power when max_window capped it)
     baseline: float  # the applied config's attainment the sizing assumed
     rate: float  # requests/s the sizing assumed (over the fleet)
-    replicas: tuple[int, ...] = (0,)  # one engine, or the two replicas of a fleet that trade the candidate
+    # one engine; or on a fleet the replicas that trade the candidate, the first ``group`` of them one group
+    replicas: tuple[int, ...] = (0,)
     lease_margin: float = 30.0
+    group: int = 1  # replicas per group on a fleet
 
     @property
     def seconds(self) -> float:
@@ -84,18 +88,18 @@ class SwitchbackPlan:
         return "candidate" if first == (block % 2 == 0) else "applied"
 
     def assignment(self, block: int) -> dict[int, str]:
-        """Replica -> the config it runs in block ``block``: one engine takes turns; of a fleet's two replicas
-        one runs the candidate while the other runs the applied config, and they trade within each pair."""
+        """Replica -> the config it runs in block ``block``: one engine takes turns; of a fleet's two groups one
+        runs the candidate while the other runs the applied config, and they trade within each pair."""
         arm = self.arm(block)
-        if len(self.replicas) == 1:
-            return {self.replicas[0]: arm}
-        return {self.replicas[0]: arm, self.replicas[1]: "applied" if arm == "candidate" else "candidate"}
+        other = "applied" if arm == "candidate" else "candidate"
+        return {r: arm if i < self.group else other for i, r in enumerate(self.replicas)}
 
     def as_dict(self) -> dict[str, Any]:
         return {"pairs": self.pairs, "most_pairs": self.most_pairs, "block_s": self.block_s, "settle_s": self.settle_s,
                 "candidate_first": list(self.candidate_first),
                 "effect": round(self.effect, 4), "power": round(self.power, 4), "baseline": round(self.baseline, 4),
-                "rate": round(self.rate, 4), "replicas": list(self.replicas), "lease_s": self.lease_s}
+                "rate": round(self.rate, 4), "replicas": list(self.replicas), "group": self.group,
+                "lease_s": self.lease_s}
 
 
 def pair_variance(baseline: float, effect: float, per_block: float) -> float:
@@ -124,42 +128,49 @@ def settle_time(spec: Canary, service_s: float) -> float:
     return max(spec.settle, service_s) if math.isfinite(service_s) else spec.settle
 
 
-def service_pairs(spec: Canary, rate: float, service_gain: float, measured_s: float, fleet: int) -> int:
+def service_pairs(spec: Canary, rate: float, service_gain: float, measured_s: float, fleet: int,
+                  group: int = 1) -> int:
     """The pairs the service route needs for ``spec.power`` to detect ``service_gain`` more requests finished per
     second, each block's finishes counted over ``measured_s`` seconds (about Poisson, inflated by the design
     effect: requests admitted together finish together); 0 without a predicted gain."""
     if not (math.isfinite(service_gain) and service_gain > 0 and math.isfinite(rate) and measured_s > 0):
         return 0
-    variance = DESIGN_EFFECT * (2 * rate / fleet + service_gain) / measured_s * (0.5 if fleet > 1 else 1.0)
+    variance = DESIGN_EFFECT * (2 * rate / fleet + service_gain) / measured_s * concurrent(fleet, group)
     return math.ceil(z_sum(spec) ** 2 * variance / service_gain ** 2)
+
+
+def concurrent(fleet: int, group: int) -> float:
+    """How much a pair's variance shrinks on a fleet: its difference averages the two blocks' concurrent differences,
+    each between two groups of ``group`` replicas (1.0 on one engine)."""
+    return 0.5 / group if fleet > 1 else 1.0
 
 
 def plan_switchback(spec: Canary, rate: float, baseline: float, predicted_gain: float, seed: int,
                     fleet: int = 1, service_s: float = math.nan, service_gain: float = math.nan) -> SwitchbackPlan:
     """Pairs for ``spec.power`` to detect the larger of the predicted gain and ``spec.min_effect`` at ``rate``
     requests/s from a baseline attainment ``baseline``; the order within each pair from ``seed``. On a ``fleet`` of
-    replicas sharing the traffic, two of them (drawn from ``seed``) trade the candidate: each block measures both
-    configs at once, on a replica's share of the rate. A block measures ``canary.block - canary.settle`` seconds
+    replicas sharing the traffic, two groups of ``canary.share`` of them (drawn from ``seed``) trade the candidate:
+    each block measures both configs at once, on each replica's share of the rate. A block measures ``canary.block - canary.settle`` seconds
     after its settling time (:func:`settle_time`). Behind a queue (``service_gain``: the requests/s more the
     candidate is predicted to finish) the plan holds the pairs the service route needs too."""
     baseline = baseline if math.isfinite(baseline) else 0.5  # a window with no finished request: the widest share
     effect = max(spec.min_effect, min(predicted_gain if math.isfinite(predicted_gain) else 0.0, 1.0 - baseline))
     settle = settle_time(spec, service_s)
     block = settle + spec.block - spec.settle
+    group = max(1, int(spec.share * fleet + 1e-9)) if fleet > 1 else 1
     per_block = (rate if math.isfinite(rate) else 0.0) / fleet * (block - settle)
-    # a fleet's pair difference averages two concurrent differences: half a switchback pair's variance
-    variance = pair_variance(baseline, effect, per_block) * (0.5 if fleet > 1 else 1.0)
+    variance = pair_variance(baseline, effect, per_block) * concurrent(fleet, group)
     wanted = max(math.ceil(z_sum(spec) ** 2 * variance / (effect * effect)),
-                 service_pairs(spec, rate, service_gain, block - settle, fleet))
+                 service_pairs(spec, rate, service_gain, block - settle, fleet, group))
     most = int(spec.max_window // (2 * block))
     # at least the pairs whose look can keep at its share of the level should the plan grow (one pair more than a
     # single look needs), at most what max_window holds
     pairs = min(max(wanted, min_pairs(spec.level / KEEP_LOOKS)), most)
     order = random.Random(seed)
-    replicas = tuple(order.sample(range(fleet), 2)) if fleet > 1 else (0,)
+    replicas = tuple(order.sample(range(fleet), 2 * group)) if fleet > 1 else (0,)
     return SwitchbackPlan(pairs, most, block, settle, tuple(order.random() < 0.5 for _ in range(most)),
                           effect, power_of(pairs, effect, variance, spec.level / KEEP_ROUTES), baseline, rate,
-                          replicas, spec.lease_margin)
+                          replicas, spec.lease_margin, group)
 
 
 def pairs_needed(differences: Sequence[float], plan: SwitchbackPlan, spec: Canary) -> int:
@@ -225,7 +236,7 @@ def sign_flip_p_value(differences: Sequence[float], seed: int = 0) -> float:
 def pair_differences(blocks: Sequence[Block], figure: str = "share") -> tuple[float, ...]:
     """Of each complete pair (both its blocks measured, every measured part with requests): the candidate's mean
     ``figure`` (``share``: attainment; ``service``: requests finished per second) minus the applied config's (on a
-    fleet, two of each: one per replica and block)."""
+    fleet, the mean over each group's replicas and the pair's two blocks)."""
     by_pair: dict[int, list[Block]] = {}
     for b in blocks:
         by_pair.setdefault(b.index // 2, []).append(b)
