@@ -23,8 +23,9 @@ simulator's error on it, and tune's answers set against its best.
     python benchmarks/tune_quality.py answers --table docs/benchmarks/tune-quality-mixed.json \\
             --out docs/benchmarks/tune-quality-mixed-answers.json
         The README's main command once per seed of ANSWER_SEEDS (on the table's workload), then on a fresh engine the
-        run's tuned config and the table's best searched back to back on the design's draws: the answer's capacity
-        over the best's at the same time (and over the table's), and tune's shown capacity over the best's.
+        run's tuned config, the table's best and the one-knob baseline searched back to back on the design's draws:
+        the answer's capacity over the best's at the same time (and over the table's), the one-knob baseline's over
+        the best's, and tune's shown capacity over the best's.
     python benchmarks/tune_quality.py --simulated design --out /tmp/q.json
         The same with the simulator standing in for the engine (a check of the script, not evidence).
 
@@ -271,8 +272,9 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "simulator_error": {label: simulator_error(rows, label) for label in ("screen", "all_steps")}}
 
 
-def answers(table_path: Path, out: Path) -> dict[str, Any]:
-    """tune once per ANSWER_SEEDS; each answer and the table's best then searched side by side on a fresh engine."""
+def answers(table_path: Path, out: Path, runs_wanted: int = len(ANSWER_SEEDS)) -> dict[str, Any]:
+    """tune once per ANSWER_SEEDS (the first ``runs_wanted`` of them, in their order); each answer and the table's best
+    then searched side by side on a fresh engine."""
     from tune_evidence import run_tune  # a sibling script: the README's main command in a fresh folder
 
     table = json.loads(table_path.read_text())
@@ -282,7 +284,7 @@ def answers(table_path: Path, out: Path) -> dict[str, Any]:
     policy = load_policy(policy_file if extra else None)
     base = out.with_suffix("")
     runs = []
-    for i, seed in enumerate(ANSWER_SEEDS):
+    for i, seed in enumerate(ANSWER_SEEDS[:runs_wanted]):
         run = run_tune(base / f"run-{i}", ["--seed", str(seed), *extra]) | {"seed": seed}
         print(f"seed {seed}: rc {run['rc']} in {run['seconds']:.0f}s: {run['last_line']}", flush=True)
         tuned = (run.get("tuned") or {}).get("knobs")
@@ -295,12 +297,17 @@ def answers(table_path: Path, out: Path) -> dict[str, Any]:
                 rows = [d.measure("answer" + (" = best" if same else ""), tuned)]
                 if not same:
                     rows.append(d.measure("best", best["knobs"]))
+                one_knob = next((r for r in table["rows"] if r["name"] == "one-knob"), None)
+                if one_knob is not None:  # the one-knob baseline beside them: how much of the gain a small chunk brings
+                    rows.append(d.measure("one-knob", {"chunk_size": ONE_KNOB_CHUNK}))
             finally:
                 d.close()
             shown_low = float(((run["tuned"].get("capacity_req_per_s") or {}).get("bracket") or [0.0])[0] or 0.0)
-            run["side_by_side"] = {"rows": rows, "answer_over_best": ratio_to(rows[0], rows[-1]),
+            best_row = rows[1] if len(rows) > 1 and rows[1]["name"] == "best" else rows[0]
+            run["side_by_side"] = {"rows": rows, "answer_over_best": ratio_to(rows[0], best_row),
+                                   "one_knob_over_best": ratio_to(rows[-1], best_row) if one_knob else None,
                                    "answer_over_table_best": ratio_to(rows[0], best),
-                                   "shown_over_best": shown_low / rows[-1]["req_per_s"] if rows[-1]["req_per_s"]
+                                   "shown_over_best": shown_low / best_row["req_per_s"] if best_row["req_per_s"]
                                    else None}
             print(f"  answer over best, side by side: {run['side_by_side']['answer_over_best']}; shown over best: "
                   f"{run['side_by_side']['shown_over_best']}", flush=True)
@@ -344,6 +351,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=("design", "summary", "answers"))
     p.add_argument("--table", type=Path, help="answers: the design's JSON whose best the answers are set against")
+    p.add_argument("--runs", type=int, default=len(ANSWER_SEEDS),
+                   help="answers: how many of the declared seeds to run, in their order (the rest another time)")
     p.add_argument("--workload", choices=("mixed", "azure"), default="mixed")
     p.add_argument("--trace", type=Path, help="azure: the Azure conversation trace (AzureLLMInferenceTrace_conv.csv)")
     p.add_argument("--include", type=Path, nargs="*", default=[], help="design: tuned.yaml files whose config joins")
@@ -358,7 +367,7 @@ def main() -> int:
     if a.what == "answers":
         if a.table is None or not a.table.is_file():
             raise SystemExit(f"answers needs --table FILE (a design's JSON); got {a.table}")
-        result = answers(a.table.resolve(), out) | {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        result = answers(a.table.resolve(), out, a.runs) | {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
         out.write_text(json.dumps(result, indent=1, default=str) + "\n")
         print(f"wrote {out} ({result['cpu']})")
         return 0
