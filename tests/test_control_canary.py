@@ -228,8 +228,9 @@ def fleet_canary(rng: np.random.Generator, replicas: int, rate: float, gain: flo
                  spec: Canary = SPEC) -> str:
     """One canary on a fleet whose replicas share the traffic's wander (bursts reach all of them) but differ in
     their own attainment (one replica on a slower host), judged at every block: its outcome."""
-    plan = plan_switchback(spec, rate, 0.85, 0.0, seed, fleet=replicas)
-    traffic = [Traffic(rng, rate / replicas, base) for base in np.linspace(0.78, 0.92, replicas)]
+    plan = plan_switchback(spec, rate, 0.78, 0.0, seed, fleet=replicas)
+    # bases low enough that a 10-point gain is not clipped at 100 % on any replica
+    traffic = [Traffic(rng, rate / replicas, base) for base in np.linspace(0.72, 0.84, replicas)]
     blocks: list[Block] = []
     for i in range(2 * plan.most_pairs):
         common = rng.normal(0.0, 0.05)  # a burst every replica sees in this block
@@ -272,6 +273,6 @@ def test_on_a_fleet_of_four_a_no_better_candidate_is_kept_at_most_at_the_level()
 def test_on_a_fleet_of_four_a_ten_point_gain_is_kept_at_the_power_the_plan_states() -> None:
     rng = np.random.default_rng(12)
     draws = 400
-    stated = plan_switchback(SPEC, 1.6, 0.85, 0.0, 0, fleet=4).power
+    stated = plan_switchback(SPEC, 1.6, 0.78, 0.0, 0, fleet=4).power
     kept = sum(fleet_canary(rng, 4, 1.6, 0.10, 8_000 + i) == "keep" for i in range(draws)) / draws
     assert kept >= stated - 3 * math.sqrt(stated * (1 - stated) / draws), (kept, stated)
