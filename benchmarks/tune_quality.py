@@ -272,9 +272,9 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "simulator_error": {label: simulator_error(rows, label) for label in ("screen", "all_steps")}}
 
 
-def answers(table_path: Path, out: Path, runs_wanted: int = len(ANSWER_SEEDS)) -> dict[str, Any]:
-    """tune once per ANSWER_SEEDS (the first ``runs_wanted`` of them, in their order); each answer and the table's best
-    then searched side by side on a fresh engine."""
+def answers(table_path: Path, out: Path, runs_wanted: int = len(ANSWER_SEEDS), first: int = 0) -> dict[str, Any]:
+    """tune once per ANSWER_SEEDS (``runs_wanted`` of them from the ``first``, in their order); each answer and the
+    table's best then searched side by side on a fresh engine."""
     from tune_evidence import run_tune  # a sibling script: the README's main command in a fresh folder
 
     table = json.loads(table_path.read_text())
@@ -284,7 +284,7 @@ def answers(table_path: Path, out: Path, runs_wanted: int = len(ANSWER_SEEDS)) -
     policy = load_policy(policy_file if extra else None)
     base = out.with_suffix("")
     runs = []
-    for i, seed in enumerate(ANSWER_SEEDS[:runs_wanted]):
+    for i, seed in list(enumerate(ANSWER_SEEDS))[first:first + runs_wanted]:
         run = run_tune(base / f"run-{i}", ["--seed", str(seed), *extra]) | {"seed": seed}
         print(f"seed {seed}: rc {run['rc']} in {run['seconds']:.0f}s: {run['last_line']}", flush=True)
         tuned = (run.get("tuned") or {}).get("knobs")
@@ -353,6 +353,7 @@ def main() -> int:
     p.add_argument("--table", type=Path, help="answers: the design's JSON whose best the answers are set against")
     p.add_argument("--runs", type=int, default=len(ANSWER_SEEDS),
                    help="answers: how many of the declared seeds to run, in their order (the rest another time)")
+    p.add_argument("--first", type=int, default=0, help="answers: the index of the first declared seed to run")
     p.add_argument("--workload", choices=("mixed", "azure"), default="mixed")
     p.add_argument("--trace", type=Path, help="azure: the Azure conversation trace (AzureLLMInferenceTrace_conv.csv)")
     p.add_argument("--include", type=Path, nargs="*", default=[], help="design: tuned.yaml files whose config joins")
@@ -367,7 +368,7 @@ def main() -> int:
     if a.what == "answers":
         if a.table is None or not a.table.is_file():
             raise SystemExit(f"answers needs --table FILE (a design's JSON); got {a.table}")
-        result = answers(a.table.resolve(), out, a.runs) | {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        result = answers(a.table.resolve(), out, a.runs, a.first) | {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
         out.write_text(json.dumps(result, indent=1, default=str) + "\n")
         print(f"wrote {out} ({result['cpu']})")
         return 0
