@@ -74,11 +74,6 @@ def floor_stop(context: RunContext, runner: TrialBackend, why: str, alone: Reach
     return 1
 
 
-def lowest_probe(record: TrialRecord) -> dict[str, Any] | None:
-    probes = sorted((record.capacity or {}).get("probes") or [], key=lambda m: m["rate"])
-    return probes[0] if probes else None
-
-
 def none_shown(context: RunContext, runner: TrialBackend, study: optuna.Study) -> int:
     """No candidate read served at any rate it was searched at: what each search saw, worded by its verdicts (an
     undecided rate is at the edge of the target share, not missed), then the capacity at the nearest targets of the
@@ -99,7 +94,7 @@ def none_shown(context: RunContext, runner: TrialBackend, study: optuna.Study) -
         who = "default config" if record.role == ROLE_DEFAULT else short_knobs(record.knobs or {}, names)
         lines.append(f"  #{t.number} {who}: " + ", ".join(f"{m['verdict']} at {m['rate']:.3g} req/s"
                                                            for m in probes) + f" ({cap.get('stopped')})")
-        lowest = lowest_probe(record)
+        lowest = probes[-1] if probes else None  # sorted from the highest rate down
         if lowest is not None and lowest.get("reached"):
             reached = Reached.from_dict(lowest["reached"])
             lines.append(f"    at {lowest['rate']:.3g} req/s: " + reached.describe())
