@@ -165,8 +165,9 @@ class Constraint:
 class WorkloadSpec:
     """A workload as the load generator and the simulator draw it. The record's own defaults mean "the workload as it
     is" (no scaling, the load generator's default mix): what the code that builds one from live traffic or a test
-    wants. A policy's workload is another thing: a policy file that leaves a field out gets the shipped default of
-    ``default.yaml`` (lengths scaled by 0.125, outputs by 0.25), never these."""
+    wants. A policy's workload is another thing: a policy file that leaves a field of the shipped workload out gets
+    the shipped default of ``default.yaml`` (lengths scaled by 0.125, outputs by 0.25); one that names another
+    workload (a trace) gets these for the fields it leaves out, as the shipped scales are for the shipped workload."""
 
     name: str = "mixed"
     length_scale: float = 1.0
@@ -176,6 +177,11 @@ class WorkloadSpec:
     trace_offset: float = 0.0  # seconds of the trace's own timeline to skip (traces often start sparse)
     max_context: int | None = None
     output_scale: float | None = None  # output lengths' own scale (None: length_scale scales outputs too)
+
+    @classmethod
+    def of(cls, workload: WorkloadSpec | str) -> WorkloadSpec:
+        """A workload record, from a record or a workload's name (the workload as it is)."""
+        return workload if isinstance(workload, WorkloadSpec) else cls(name=workload)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -318,18 +324,22 @@ def _shipped_document() -> dict[str, Any]:
 def with_shipped_defaults(data: Any) -> Any:
     """``data`` read over the shipped default.yaml, the one home of every policy default: a top-level field it leaves
     out (or sets to null, for a section) takes the shipped value, and so does each field of a section it gives in
-    part; only ``slo.tbt_p99`` is required. Anything but a mapping is returned as it is, for the validation to
+    part; only ``slo.tbt_p99`` is required. A workload other than the shipped one (a trace) takes WorkloadSpec's
+    defaults (the workload as it is) for the fields it leaves out. Anything but a mapping is returned as it is, for the validation to
     reject."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         return data
     merged = copy.deepcopy(_shipped_document())
+    shipped_workload = merged["workload"]["name"]
     del merged["slo"]["tbt_p99"]  # the one field every policy gives itself: the target it is tuned for
     for key, value in data.items():
         if key in FIELDWISE_SECTIONS and value is None:
             continue
-        if key in FIELDWISE_SECTIONS and isinstance(value, dict) and isinstance(merged.get(key), dict):
+        if key == "workload" and isinstance(value, dict) and value.get("name", shipped_workload) != shipped_workload:
+            merged[key] = {**WorkloadSpec().as_dict(), **value}  # the shipped scales are for the shipped workload
+        elif key in FIELDWISE_SECTIONS and isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = {**merged[key], **value}
         else:
             merged[key] = value

@@ -157,6 +157,18 @@ def test_every_shipped_field_is_seen_by_the_field_by_field_test() -> None:
     assert parse_policy(with_(measurement={"level": 0.9})).measurement.cap == load_policy().measurement.cap
 
 
+def test_a_trace_workload_does_not_inherit_the_shipped_workloads_scales() -> None:
+    # the shipped output scale (0.25) is for the mixed workload's lengths: a trace scaled 1/16 scales its outputs
+    # 1/16 too unless it says otherwise, as tune's --workload does
+    trace = parse_policy(with_(workload={"name": "conv.csv", "length_scale": 0.0625, "max_context": 2048})).workload
+    assert (trace.length_scale, trace.output_scale, trace.max_context, trace.mix) == (0.0625, None, 2048, None)
+    assert parse_policy(with_(workload={"name": "conv.csv"})).workload.length_scale == 1.0  # the trace as it is
+    own = parse_policy(with_(workload={"name": "conv.csv", "output_scale": 0.5})).workload
+    assert own.output_scale == 0.5
+    mixed = parse_policy(with_(workload={"length_scale": 0.25})).workload  # the shipped workload, field by field
+    assert (mixed.name, mixed.length_scale, mixed.output_scale) == ("mixed", 0.25, 0.25)
+
+
 def test_the_defaults_code_builds_with_are_the_shipped_ones() -> None:
     # the controller's sections, the pruning rule and a trial runner's busy-machine bound are also built in code
     # (tests, benchmarks, the controller's own defaults)
