@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from slotune.slo import SLO
 from tuner.trials.trial_runner import TrialOutcome, TrialRunner
 
 
@@ -25,7 +24,6 @@ def choose_rate(runner: TrialRunner, out_dir: Path, start: float = 1.0, max_prob
     at the same rate. A failure the repeat does not confirm marks a rate at the edge of the default's capacity,
     where the machine's noise decides (there the default trial may well pass, and the study could not tell the
     configs apart): the doubling goes on. When the probes run out, the last failing rate (else the highest)."""
-    assert isinstance(runner.slo, SLO)
     probes: list[dict[str, Any]] = []
     rate, failures_here = start, 0
     for i in range(max_probes):

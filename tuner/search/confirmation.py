@@ -28,7 +28,6 @@ from scipy import stats
 
 from policies import Policy
 from loadtest.records import RequestRecord
-from slotune.slo import SLO
 from tuner.measure.capacity import Capacity, Shown, capacity_searcher, measurement_spec
 from tuner.measure.measurement import TARGET_SHARE, figures, segment_seed, window_records
 from tuner.measure.statistics import DEFAULT_LEVEL
@@ -55,7 +54,6 @@ def same_windows(sim: TrialBackend, policy: Policy, knobs: dict[str, Any], searc
     simulator's verdicts give on those same windows, pooled per probe as the search pooled them."""
     pairs, verdicts = [], []
     spec, draw = measurement_spec(policy), int(searched.get("draw", 0))
-    assert isinstance(sim.slo, SLO)
     for i, probe in enumerate(searched.get("probes") or []):
         segments = sorted((trial_dir / f"probe-{i}").glob("segment-*"), key=lambda d: int(d.name.split("-")[1]))
         pooled: list[list[RequestRecord]] = []

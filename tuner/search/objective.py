@@ -89,7 +89,6 @@ def evaluate_goodput(runner: TrialRunner | TrialBackend, knobs: dict[str, Any], 
         o = runner.run(knobs, out_dir, prune=prune) if isinstance(runner, TrialRunner) else runner.run(knobs, out_dir)
         if not machinery_failure(o):
             break
-    assert isinstance(runner.slo, SLO)
     return Evaluation(o, goodput(o), slo_constraints(o, runner.slo), [])
 
 

@@ -18,7 +18,6 @@ from typing import Any, Callable
 
 import optuna
 
-from slotune.slo import SLO
 from policies import Policy
 from tuner.search.design import screen_design
 from tuner.measure.capacity import capacity_searcher
@@ -140,7 +139,6 @@ def sim_runner_like(runner: TrialRunner, profile: str | Path | None = None,
     token, so the twin's KV pool holds as many tokens), else the profile's."""
     model = model or load_profile(profile)
     model = (model.rescaled(measured) if measured else None) or model
-    assert isinstance(runner.slo, SLO)  # TrialRunner.__post_init__ made it one
     return SimTrialRunner(model, limits=limits_of(model, engine_admin_config(runner)), workload=runner.workload,
                           rate=runner.rate, duration=runner.duration, warmup=runner.warmup, slo=runner.slo,
                           seed=runner.seed, base_knobs=dict(runner.base_knobs or {}))

@@ -52,7 +52,7 @@ class SimTrialRunner:
 
     timer: StepTimer
     limits: ModelLimits = DEFAULT_LIMITS
-    workload: WorkloadSpec | str = "mixed"
+    workload: WorkloadSpec = field(default_factory=lambda: WorkloadSpec(name="mixed"))  # or a name (made a record)
     rate: float = 1.0
     duration: float = 20.0
     warmup: float = 3.0
@@ -63,13 +63,11 @@ class SimTrialRunner:
     backlog: int = 0  # requests already queued when a trial starts (a live engine's queue; see simulate_load)
 
     def __post_init__(self) -> None:
-        if isinstance(self.workload, str):
-            self.workload = WorkloadSpec(name=self.workload)
+        self.workload = WorkloadSpec.of(self.workload)
 
     simulated = True
 
     def load_config(self, rate: float, seed: int | None, duration: float) -> LoadConfig:
-        assert isinstance(self.workload, WorkloadSpec)
         return load_config_for(self.workload, self.slo, rate, self.warmup + duration,
                                self.seed if seed is None else seed, self.drain_timeout)
 
@@ -102,7 +100,6 @@ class SimTrialRunner:
         outcome = TrialOutcome(knobs=full, summary=summary, step_stats=step_stats(steps), feasible=reason is None,
                                reason=reason, out_dir=out_dir, simulated=True, rate=rate)
         if out_dir is not None:
-            assert isinstance(self.workload, WorkloadSpec)
             write_trial_folder(Path(out_dir), result, summary, outcome, self.workload.as_dict(), self.slo, steps,
                                {"duration": duration, "warmup": self.warmup})
         return outcome

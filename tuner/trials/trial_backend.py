@@ -21,7 +21,7 @@ from policies import WorkloadSpec
 
 
 class TrialBackend(Protocol):
-    slo: Any  # an SLO once constructed (TrialRunner also takes its as_dict() form)
+    slo: SLO
     simulated: bool
 
     def run(self, knobs: dict[str, Any], out_dir: Path, rate: float | None = None, seed: int | None = None, *,

@@ -80,6 +80,7 @@ def _slo(slo: SLO | dict[str, Any]) -> SLO:
     return slo if isinstance(slo, SLO) else SLO.from_dict(slo)
 
 
+
 def feasibility(summary: dict[str, Any], slo: SLO) -> str | None:
     """None when the window's summary meets every SLO target, else why not."""
     if not summary.get("requests"):
@@ -103,11 +104,11 @@ class TrialRunner:
     restart, or a RestartedEngine (a server per configuration, the knobs as its start-up flags)."""
 
     engine: EngineHandle | ManagedEngine | RestartedEngine
-    workload: WorkloadSpec | str = "mixed"
+    workload: WorkloadSpec = field(default_factory=lambda: WorkloadSpec(name="mixed"))  # or a name (made a record)
     rate: float = 1.0
     duration: float = 20.0
     warmup: float = 3.0
-    slo: SLO | dict[str, Any] = field(default_factory=lambda: SLO(tbt_p99=0.05))
+    slo: SLO = field(default_factory=lambda: SLO(tbt_p99=0.05))  # or its dict (made a record)
     pruning: PruningSpec | None = None
     seed: int = 0
     drain_timeout: float = 10.0
@@ -121,8 +122,7 @@ class TrialRunner:
     server_warmup: float = 0.0  # seconds of load on each fresh server of a RestartedEngine before it is measured
 
     def __post_init__(self) -> None:
-        if isinstance(self.workload, str):
-            self.workload = WorkloadSpec(name=self.workload)
+        self.workload = WorkloadSpec.of(self.workload)
         self.slo = _slo(self.slo)
         if self.base_knobs is None:
             self.base_knobs = self.engine.defaults() if isinstance(self.engine, RestartedEngine) \
@@ -131,14 +131,14 @@ class TrialRunner:
     @property
     def handle(self) -> EngineHandle:
         if isinstance(self.engine, (ManagedEngine, RestartedEngine)):
-            assert self.engine.handle is not None, "start the engine first"
+            if self.engine.handle is None:
+                raise RuntimeError("the engine is not started: start it before running trials")
             return self.engine.handle
         return self.engine
 
     simulated = False
 
     def load_config(self, rate: float, out_dir: Path, seed: int | None, duration: float) -> LoadConfig:
-        assert isinstance(self.workload, WorkloadSpec) and isinstance(self.slo, SLO)
         return load_config_for(self.workload, self.slo, rate, self.warmup + duration,
                                self.seed if seed is None else seed, self.drain_timeout, url=self.handle.url,
                                out=str(out_dir))
@@ -158,7 +158,7 @@ class TrialRunner:
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         full = {**(self.base_knobs or {}), **knobs}
         outcome = self._run(full, out_dir, rate, prune, seed, duration or self.duration)
-        self._write_trial(outcome, started_at)
+        self._write_trial(outcome, out_dir, started_at)
         return outcome
 
     def _fail(self, knobs: dict[str, Any], out_dir: Path, rate: float, reason: str,
@@ -195,7 +195,6 @@ class TrialRunner:
         except _NotMeasured as failed:
             return self._fail(failed.knobs, out_dir, rate, failed.reason)
         cfg = self.load_config(rate, out_dir, seed, duration)
-        assert isinstance(self.slo, SLO)
         collector = StepCollector(self.handle, first_step, self.step_poll_s)
         watch = _LoadWatch(self, collector, PruneWatcher(self.slo.tbt_p99, self.pruning, duration)
                            if prune and self.pruning is not None and self.pruning.enabled and self.slo.tbt_p99
@@ -275,8 +274,8 @@ class TrialRunner:
         Its first request of each shape builds kernels for it (vLLM's CPU build: the first prompt of a length takes
         about twice as long as the next), a start-up cost that would otherwise land on the first rate measured.
         The arrivals are a draw no window uses; the load test's records are kept beside the server's log."""
-        assert isinstance(self.engine, RestartedEngine) and isinstance(self.workload, WorkloadSpec)
-        assert isinstance(self.slo, SLO)
+        if not isinstance(self.engine, RestartedEngine):
+            raise TypeError("only a server started per config is warmed")
         t0 = time.monotonic()
         if self.server_warmup > 0:
             out = Path(self.engine.log_path).with_suffix(".warmup")
@@ -328,19 +327,18 @@ class TrialRunner:
         except EngineError:
             return {}
 
-    def _write_trial(self, o: TrialOutcome, started_at: str) -> None:
-        assert o.out_dir is not None and isinstance(self.workload, WorkloadSpec) and isinstance(self.slo, SLO)
-        if not (o.out_dir / files.SUMMARY).exists():
-            write_summary(str(o.out_dir / files.SUMMARY), o.summary)
-        if not (o.out_dir / files.STEPS).exists():
-            (o.out_dir / files.STEPS).write_text("")
+    def _write_trial(self, o: TrialOutcome, out_dir: Path, started_at: str) -> None:
+        if not (out_dir / files.SUMMARY).exists():
+            write_summary(str(out_dir / files.SUMMARY), o.summary)
+        if not (out_dir / files.STEPS).exists():
+            (out_dir / files.STEPS).write_text("")
         trial = {"format": TRIAL_FORMAT, "knobs": o.knobs, "step_stats": o.step_stats, "feasible": o.feasible,
                  "reason": o.reason, "workload": self.workload.as_dict(), "rate": o.rate, "slo": self.slo.as_dict(),
                  "started_at": started_at, "simulated": o.simulated, "pruned": o.pruned,
                  "duration": self.duration, "warmup": self.warmup}
         if isinstance(self.engine, RestartedEngine):  # which server measured it, and its log
             trial["engine"] = {"kind": self.engine.kind.name, "flags": self.engine.flags, "log": self.engine.log_path}
-        (o.out_dir / files.TRIAL).write_text(json.dumps(trial, indent=2) + "\n")
+        (out_dir / files.TRIAL).write_text(json.dumps(trial, indent=2) + "\n")
 
 
 class _NotMeasured(Exception):
