@@ -35,13 +35,10 @@ MIN_SEARCH_S = 120.0  # the least time left in the budget that a search at the n
 
 
 def nearest_capacity(context: RunContext, runner: TrialBackend, knobs: dict[str, Any], who: str, reached: Reached,
-                     source: str, start: float | None, longest_s: float = MIN_SEARCH_S) -> list[str]:
-    """``knobs``' capacity at the nearest targets ``reached`` shows, searched while the run's budget holds a search
-    as long as ``longest_s``; the lines that say it (none when no target needs raising), kept in nearest.json."""
+                     nearer: SLO, source: str, start: float | None, longest_s: float = MIN_SEARCH_S) -> list[str]:
+    """``knobs``' capacity at ``nearer``, the nearest targets ``reached`` shows, searched while the run's budget holds
+    a search as long as ``longest_s``; the lines that say it, kept in nearest.json."""
     slo = SLO(**context.policy.slo.as_dict())
-    nearer = nearest_slo(slo, reached)
-    if nearer is None:
-        return []
     head = (f"the nearest targets this machine meets ({reached.target_share:.0%} of the requests reached them "
             f"{source}): {nearer.words()}")
     left = context.started + context.policy.time_budget - time.monotonic()
@@ -67,10 +64,10 @@ def floor_stop(context: RunContext, runner: TrialBackend, why: str, alone: Reach
     requests reached one at a time; exit 1."""
     print(f"{PROG}: error: {why}; no config can meet it here (nothing written; floor: "
           f"{context.trials_dir / 'floor' / 'floor.json'})", file=sys.stderr)
-    if alone is not None:
-        lines = nearest_capacity(context, runner, {}, "default config", alone, "one request at a time", rate)
-        if lines:
-            print("\n".join(lines), file=sys.stderr)
+    nearer = None if alone is None else nearest_slo(SLO(**context.policy.slo.as_dict()), alone)
+    if alone is not None and nearer is not None:
+        lines = nearest_capacity(context, runner, {}, "default config", alone, nearer, "one request at a time", rate)
+        print("\n".join(lines), file=sys.stderr)
     return 1
 
 
@@ -83,7 +80,7 @@ def none_shown(context: RunContext, runner: TrialBackend, study: optuna.Study) -
     names = [k.name for k in p.search_space]
     slo = SLO(**p.slo.as_dict())
     lines, undecided = [], False
-    nearest: tuple[float, dict[str, Any], str, Reached, float] | None = None
+    nearest: tuple[float, dict[str, Any], str, Reached, SLO, float] | None = None
     for t in measured(study):
         record = TrialRecord.from_trial(t)
         cap = record.capacity
@@ -100,15 +97,15 @@ def none_shown(context: RunContext, runner: TrialBackend, study: optuna.Study) -
             lines.append(f"    at {lowest['rate']:.3g} req/s: " + reached.describe())
             nearer = nearest_slo(slo, reached)
             far = relaxation(slo, nearer) if nearer is not None else math.inf
-            if nearest is None or far < nearest[0]:
-                nearest = (far, dict(record.knobs or {}), who, reached, float(lowest["rate"]))
+            if nearer is not None and (nearest is None or far < nearest[0]):
+                nearest = (far, dict(record.knobs or {}), who, reached, nearer, float(lowest["rate"]))
     advice = ("undecided is not missed: at the edge of the target share only more requests decide (a longer "
               "measurement cap in the policy), and a looser target serves more" if undecided else
               "every rate probed was missed: the targets each config reached at its lowest rate above are the "
               "nearest ones it would meet there")
     if nearest is not None and math.isfinite(nearest[0]):
-        _, knobs, who, reached, rate = nearest
-        lines += nearest_capacity(context, runner, knobs, who, reached, f"at {rate:.3g} req/s", rate,
+        _, knobs, who, reached, nearer, rate = nearest
+        lines += nearest_capacity(context, runner, knobs, who, reached, nearer, f"at {rate:.3g} req/s", rate,
                                   longest_trial_s(study))
     head = f"{PROG}: no candidate config read served at any rate searched within {context.slo_text()}"
     write_report(report, study, p.slo.as_dict(), f"tune: {context.study_name}", [head] + lines + [advice])
