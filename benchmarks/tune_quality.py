@@ -1,5 +1,5 @@
 """How good is `tune`'s answer? The engine-measured capacity of a fixed design of configs that spans the space, the
-simulator's error on it, and tune's answers set against its best.
+simulator's error on it, and what each knob brings.
 
     python benchmarks/tune_quality.py design --out docs/benchmarks/tune-quality-mixed.json \\
             [--include docs/benchmarks/tune-repro-50ms-zen4/run-0/tuned.yaml ...]
@@ -20,12 +20,7 @@ simulator's error on it, and tune's answers set against its best.
         times rescaled to the default's steps (what the screen ranks by) and to all the design's steps; the capacity
         error |predicted / measured - 1| (median and 90th percentile) and the Spearman rank correlation, each with a
         bootstrap interval over the configs; each included answer's capacity over the best's; what each knob brings.
-    python benchmarks/tune_quality.py answers --table docs/benchmarks/tune-quality-mixed.json \\
-            --out docs/benchmarks/tune-quality-mixed-answers.json
-        The README's main command once per seed of ANSWER_SEEDS (on the table's workload), then on a fresh engine the
-        run's tuned config, the table's best and the one-knob baseline searched back to back on the design's draws:
-        the answer's capacity over the best's at the same time (and over the table's), the one-knob baseline's over
-        the best's, and tune's shown capacity over the best's.
+    (tune's answers are set against a design's best by benchmarks/quality_answers.py.)
     python benchmarks/tune_quality.py --simulated design --out /tmp/q.json
         The same with the simulator standing in for the engine (a check of the script, not evidence).
 
@@ -73,7 +68,6 @@ FILL = 16  # the space-filling remainder
 ONE_KNOB_CHUNK = 16
 BOOTSTRAP = 4000  # bootstrap resamples of the configs for the intervals
 LEVEL = 0.95
-ANSWER_SEEDS = (61, 62, 63)  # the tune runs set against a table (fixed before the runs)
 
 
 def entries(policy: Policy, sim: Any, folder: Path, includes: list[Path]) -> list[tuple[str, dict[str, Any]]]:
@@ -272,53 +266,6 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "simulator_error": {label: simulator_error(rows, label) for label in ("screen", "all_steps")}}
 
 
-def answers(table_path: Path, out: Path, runs_wanted: int = len(ANSWER_SEEDS), first: int = 0) -> dict[str, Any]:
-    """tune once per ANSWER_SEEDS (``runs_wanted`` of them from the ``first``, in their order); each answer and the
-    table's best then searched side by side on a fresh engine."""
-    from tune_evidence import run_tune  # a sibling script: the README's main command in a fresh folder
-
-    table = json.loads(table_path.read_text())
-    best = table["best"]
-    policy_file = table_path.with_suffix(".policy.yaml")
-    extra = [] if table["workload"] == "mixed" else ["--policy", str(policy_file)]
-    policy = load_policy(policy_file if extra else None)
-    base = out.with_suffix("")
-    runs = []
-    for i, seed in list(enumerate(ANSWER_SEEDS))[first:first + runs_wanted]:
-        run = run_tune(base / f"run-{i}", ["--seed", str(seed), *extra]) | {"seed": seed}
-        print(f"seed {seed}: rc {run['rc']} in {run['seconds']:.0f}s: {run['last_line']}", flush=True)
-        tuned = (run.get("tuned") or {}).get("knobs")
-        if tuned:
-            d = Design(policy, base / f"run-{i}" / "side-by-side", simulated=False)
-            (d.folder).mkdir(parents=True, exist_ok=True)
-            try:
-                d.open()
-                same = config_key({**d.base, **tuned}) == config_key(best["knobs"])
-                rows = [d.measure("answer" + (" = best" if same else ""), tuned)]
-                if not same:
-                    rows.append(d.measure("best", best["knobs"]))
-                one_knob = next((r for r in table["rows"] if r["name"] == "one-knob"), None)
-                if one_knob is not None:  # the one-knob baseline beside them: how much of the gain a small chunk brings
-                    rows.append(d.measure("one-knob", {"chunk_size": ONE_KNOB_CHUNK}))
-            finally:
-                d.close()
-            shown_low = float(((run["tuned"].get("capacity_req_per_s") or {}).get("bracket") or [0.0])[0] or 0.0)
-            best_row = rows[1] if len(rows) > 1 and rows[1]["name"] == "best" else rows[0]
-            run["side_by_side"] = {"rows": rows, "answer_over_best": ratio_to(rows[0], best_row),
-                                   "one_knob_over_best": ratio_to(rows[-1], best_row) if one_knob else None,
-                                   "answer_over_table_best": ratio_to(rows[0], best),
-                                   "shown_over_best": shown_low / best_row["req_per_s"] if best_row["req_per_s"]
-                                   else None}
-            print(f"  answer over best, side by side: {run['side_by_side']['answer_over_best']}; shown over best: "
-                  f"{run['side_by_side']['shown_over_best']}", flush=True)
-        runs.append(run)
-        # written after each run: a session that ends early keeps the runs it made
-        out.write_text(json.dumps({"table": str(table_path), "best": best, "runs": runs, "seeds": list(ANSWER_SEEDS),
-                                   "cpu": cpu_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%S")},
-                                  indent=1, default=str) + "\n")
-    return {"table": str(table_path), "best": best, "runs": runs, "seeds": list(ANSWER_SEEDS)}
-
-
 def markdown(result: dict[str, Any]) -> str:
     """The design's rows as a table for BENCHMARKS.md."""
     def bracket(b: list[float | None]) -> str:
@@ -349,11 +296,7 @@ def workload_policy(workload: str, trace: Path | None, folder: Path) -> Policy:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("design", "summary", "answers"))
-    p.add_argument("--table", type=Path, help="answers: the design's JSON whose best the answers are set against")
-    p.add_argument("--runs", type=int, default=len(ANSWER_SEEDS),
-                   help="answers: how many of the declared seeds to run, in their order (the rest another time)")
-    p.add_argument("--first", type=int, default=0, help="answers: the index of the first declared seed to run")
+    p.add_argument("what", choices=("design", "summary"))
     p.add_argument("--workload", choices=("mixed", "azure"), default="mixed")
     p.add_argument("--trace", type=Path, help="azure: the Azure conversation trace (AzureLLMInferenceTrace_conv.csv)")
     p.add_argument("--include", type=Path, nargs="*", default=[], help="design: tuned.yaml files whose config joins")
@@ -365,13 +308,6 @@ def main() -> int:
     for path in a.include:
         if not path.is_file():
             raise SystemExit(f"--include: no such tuned.yaml: {path}")
-    if a.what == "answers":
-        if a.table is None or not a.table.is_file():
-            raise SystemExit(f"answers needs --table FILE (a design's JSON); got {a.table}")
-        result = answers(a.table.resolve(), out, a.runs, a.first) | {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
-        print(f"wrote {out} ({result['cpu']})")
-        return 0
     if a.what == "summary":  # the figures again from a design's rows (after a change to how they are summarised)
         result = json.loads(out.read_text())
         result.update(summary(result["rows"]))

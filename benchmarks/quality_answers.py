@@ -1,0 +1,276 @@
+"""tune's answers set against the best config of an engine-measured design (benchmarks/tune_quality.py), and a paired
+verdict on whether an answer serves at least SHARE of the best's capacity.
+
+    python benchmarks/quality_answers.py answers --table docs/benchmarks/tune-quality-mixed.json \\
+            --out docs/benchmarks/tune-quality-mixed-answers.json [--first K] [--runs N]
+        The README's main command once per seed of ANSWER_SEEDS (``--runs N`` of them from the ``--first``, on the
+        table's workload); then on a fresh engine the run's tuned config, the table's best and the one-knob baseline
+        searched back to back on the design's draws; then the paired verdict of the answer against the best.
+    python benchmarks/quality_answers.py verdict --answers docs/benchmarks/tune-quality-mixed-answers.json \\
+            --out docs/benchmarks/tune-quality-mixed-verdict.json
+        The paired verdict alone, on a fresh engine, for every run of an answers JSON (its side-by-side brackets).
+
+The paired verdict. A search's bracket on one 15 s window per probe cannot decide a 5 % gap. The verdict asks two
+claims, each of a pair of pools of sustained windows (tuner/measure/verdict.py: one confidence sequence per pool):
+  - met: the answer shown to serve SHARE x r and the best shown to miss r, for r the best's searched missed rate:
+    then the answer's capacity is at least SHARE r, above SHARE x the best's;
+  - missed: the best shown to serve r and the answer shown to miss SHARE x r, for r the best's searched served rate.
+Each round the two configs alternate (which goes first alternates too) on one fresh arrival draw, so that a drift of
+the machine's speed meets both; a pool already decided the way its claim needs is not measured again, and a claim
+one of whose pools was decided the other way is dropped. A claim is asked only where the side-by-side searches leave
+it possible. One error budget: a wrong verdict needs one wrong pool, and the four pools there may be split 1 - LEVEL
+(each judged at pool_level(LEVEL, 2): one-sided error (1 - LEVEL) / 4). Beside the verdict: the capacities' ratio
+from shown bounds only (an end not shown stays open).
+
+The seeds and draws are fixed here, before the runs; none was used while developing; every run made is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tune_quality import ONE_KNOB_CHUNK, Design, ratio_to, short  # noqa: E402  (a sibling script)
+
+from engine.cpu_info import cpu_name  # noqa: E402
+from policies import Policy, load_policy  # noqa: E402
+from tuner.measure.capacity import measurement_spec  # noqa: E402
+from tuner.measure.measurement import MeasurementSpec, measure  # noqa: E402
+from tuner.measure.verdict import Contender, Ratio, pool_level  # noqa: E402
+from tuner.measure.verdict_plan import SHOW_MARGIN, sample_of  # noqa: E402
+from tuner.search.design import config_key  # noqa: E402
+
+ANSWER_SEEDS = (61, 62, 63)  # the tune runs set against a table (fixed before the runs)
+SHARE = 0.95  # the answer is good enough when it serves this share of the best's capacity
+LEVEL = 0.95
+VERDICT_DRAW = 1700  # round i on arrival draw VERDICT_DRAW + i (tune's runs use draws below 1400, the design 1500+)
+DEV_DRAW = 9000  # the simulated check's draws (never the evaluation's)
+MAX_ROUNDS = 2
+Claim = Literal["met", "missed"]
+Measure = Callable[[Contender, float, int], Any]  # (config, rate, draw) -> tuner.measure.verdict.Sample
+
+
+@dataclass
+class Route:
+    """One claim's pair of pools: the answer at SHARE x ``rate``, the best at ``rate``."""
+
+    claim: Claim
+    rate: float
+
+    @property
+    def answer_rate(self) -> float:
+        return SHARE * self.rate
+
+    def wanted(self) -> tuple[str, str]:
+        """The verdicts (the answer's, the best's) the claim needs."""
+        return ("met", "missed") if self.claim == "met" else ("missed", "met")
+
+    def verdicts(self, answer: Contender, best: Contender) -> tuple[str, str]:
+        a, b = answer.pool(self.answer_rate), best.pool(self.rate)
+        return (a.verdict() if a else "undecided", b.verdict() if b else "undecided")
+
+    def shown(self, answer: Contender, best: Contender) -> bool:
+        return self.verdicts(answer, best) == self.wanted()
+
+    def dropped(self, answer: Contender, best: Contender) -> bool:
+        """A pool decided the other way: this claim can no longer be shown."""
+        return any(v not in ("undecided", w) for v, w in zip(self.verdicts(answer, best), self.wanted()))
+
+
+def routes(answer_bracket: list[float | None], best_bracket: list[float | None]) -> list[Route]:
+    """The claims the side-by-side searches leave possible: met where the best missed a rate whose SHARE the answer's
+    search did not miss below; missed where the best served a rate whose SHARE the answer's search did not serve."""
+    a_lo, a_hi = float(answer_bracket[0] or 0.0), answer_bracket[1]
+    b_lo, b_hi = float(best_bracket[0] or 0.0), best_bracket[1]
+    out = []
+    if b_hi is not None and (a_hi is None or a_hi > SHARE * b_hi):
+        out.append(Route("met", float(b_hi)))
+    if b_lo > 0 and a_lo < SHARE * b_lo:
+        out.append(Route("missed", b_lo))
+    return out
+
+
+def ratio(answer: Contender, best: Contender) -> Ratio:
+    """The capacities' ratio from the verdict's shown bounds: the answer's served over the best's missed, the
+    answer's missed over the best's served."""
+    a, b = answer.shown(), best.shown()
+    low = a.low / b.high if a.low > 0 and math.isfinite(b.high) else None
+    high = a.high / b.low if math.isfinite(a.high) and b.low > 0 else None
+    return Ratio(low, high)
+
+
+def paired_verdict(answer: Contender, best: Contender, asked: list[Route], measure_at: Measure,
+                   max_rounds: int = MAX_ROUNDS, draw0: int = VERDICT_DRAW) -> dict[str, Any]:
+    """Rounds of the open routes' pools, the configs alternating on one draw per round, until a claim is shown or
+    none is left open; the verdict (met, missed, undecided), the routes, and the ratio from shown bounds."""
+    level = pool_level(LEVEL, 2)
+    rounds = 0
+    for i in range(max_rounds):
+        open_routes = [r for r in asked if not r.shown(answer, best) and not r.dropped(answer, best)]
+        if not open_routes or any(r.shown(answer, best) for r in asked):
+            break
+        rounds += 1
+        todo: list[tuple[Contender, float]] = []
+        for r in open_routes:
+            (got_a, got_b), (want_a, want_b) = r.verdicts(answer, best), r.wanted()
+            todo += [(answer, r.answer_rate)] if got_a != want_a else []
+            todo += [(best, r.rate)] if got_b != want_b else []
+        first = answer if i % 2 == 0 else best
+        todo.sort(key=lambda pair: pair[0] is not first)
+        for c, rate in todo:
+            c.add(measure_at(c, rate, draw0 + i), level)
+    shown = [r.claim for r in asked if r.shown(answer, best)]
+    return {"verdict": shown[0] if shown else "undecided", "share": SHARE, "level": LEVEL, "pool_level": level,
+            "rounds": rounds, "routes": [{"claim": r.claim, "best_rate": r.rate, "answer_rate": r.answer_rate,
+                                          "verdicts": list(r.verdicts(answer, best))} for r in asked],
+            "ratio": ratio(answer, best).as_dict(), "answer": answer.as_dict(), "best": best.as_dict()}
+
+
+def verdict_spec(policy: Policy, level: float, rate: float, serving: bool) -> MeasurementSpec:
+    """One sustained window, sized as tune's verdict sizes a candidate (to show served) or the default beside it
+    (to show missed: half as long, at least the policy's verdict window)."""
+    spec = replace(measurement_spec(policy), level=level)
+    window = max(policy.verdict.window, spec.seconds_for_blocks(math.ceil(SHOW_MARGIN * spec.blocks_to_show()), rate))
+    return replace(spec, sustained_s=window if serving else max(policy.verdict.window, window / 2))
+
+
+def run_verdict(d: Design, answer_row: dict[str, Any], best_row: dict[str, Any], draw0: int) -> dict[str, Any]:
+    """The paired verdict of the answer against the best on ``d``'s engine, after their side-by-side searches."""
+    answer = Contender("answer", answer_row["knobs"], answer_row["req_per_s"])
+    best = Contender("best", best_row["knobs"], best_row["req_per_s"])
+    asked = routes(answer_row["bracket"], best_row["bracket"])
+    serving = {(answer.name, r.answer_rate): r.claim == "met" for r in asked} | \
+              {(best.name, r.rate): r.claim == "missed" for r in asked}
+    level = pool_level(LEVEL, 2)
+
+    def measure_at(c: Contender, rate: float, draw: int) -> Any:
+        folder = d.folder / "verdict" / f"draw-{draw}" / c.name / f"rate-{rate:.4g}"
+        m = measure(d.runner, c.knobs, rate, folder, draw, verdict_spec(d.policy, level, rate, serving[c.name, rate]))
+        print(f"  verdict: {c.name} at {rate:.3g} req/s on draw {draw}: {m.describe()}", flush=True)
+        return sample_of(m, draw)
+
+    out = paired_verdict(answer, best, asked, measure_at, draw0=draw0)
+    print(f"  paired verdict (answer >= {SHARE:.0%} of the best): {out['verdict']}; ratio from shown bounds "
+          f"{ratio(answer, best).format()}", flush=True)
+    return out
+
+
+def side_by_side(d: Design, tuned: dict[str, Any], table: dict[str, Any]) -> list[dict[str, Any]]:
+    """The answer, the table's best and the one-knob baseline searched back to back on ``d``'s engine."""
+    best = table["best"]
+    same = config_key({**d.base, **tuned}) == config_key(best["knobs"])
+    rows = [d.measure("answer" + (" = best" if same else ""), tuned)]
+    if not same:
+        rows.append(d.measure("best", best["knobs"]))
+    if any(r["name"] == "one-knob" for r in table["rows"]):  # how much of the gain a small chunk brings
+        rows.append(d.measure("one-knob", {"chunk_size": ONE_KNOB_CHUNK}))
+    return rows
+
+
+def compare(rows: list[dict[str, Any]], table_best: dict[str, Any], shown_low: float) -> dict[str, Any]:
+    answer, best = rows[0], next((r for r in rows if r["name"] == "best"), rows[0])
+    one_knob = next((r for r in rows if r["name"] == "one-knob"), None)
+    return {"rows": rows, "answer_over_best": ratio_to(answer, best),
+            "one_knob_over_best": ratio_to(one_knob, best) if one_knob else None,
+            "answer_over_table_best": ratio_to(answer, table_best),
+            "shown_over_best": shown_low / best["req_per_s"] if best["req_per_s"] else None}
+
+
+def answers(table_path: Path, out: Path, runs_wanted: int, first: int) -> dict[str, Any]:
+    """tune once per ANSWER_SEEDS (``runs_wanted`` of them from the ``first``, in their order); each answer, the
+    table's best and the one-knob baseline then searched side by side on a fresh engine, and the paired verdict."""
+    from tune_evidence import run_tune  # a sibling script: the README's main command in a fresh folder
+
+    table = json.loads(table_path.read_text())
+    policy_file = table_path.with_suffix(".policy.yaml")
+    extra = [] if table["workload"] == "mixed" else ["--policy", str(policy_file)]
+    policy = load_policy(policy_file if extra else None)
+    base = out.with_suffix("")
+    result: dict[str, Any] = {"table": str(table_path), "best": table["best"], "runs": [], "seeds": list(ANSWER_SEEDS)}
+    for i, seed in list(enumerate(ANSWER_SEEDS))[first:first + runs_wanted]:
+        run = run_tune(base / f"run-{i}", ["--seed", str(seed), *extra]) | {"seed": seed}
+        print(f"seed {seed}: rc {run['rc']} in {run['seconds']:.0f}s: {run['last_line']}", flush=True)
+        tuned = (run.get("tuned") or {}).get("knobs")
+        if tuned:
+            d = Design(policy, base / f"run-{i}" / "side-by-side", simulated=False)
+            d.folder.mkdir(parents=True, exist_ok=True)
+            try:
+                d.open()
+                rows = side_by_side(d, tuned, table)
+                shown_low = float(((run["tuned"].get("capacity_req_per_s") or {}).get("bracket") or [0.0])[0] or 0)
+                run["side_by_side"] = compare(rows, table["best"], shown_low)
+                print(f"  answer over best, side by side: {run['side_by_side']['answer_over_best']}; shown over "
+                      f"best: {run['side_by_side']['shown_over_best']}", flush=True)
+                if rows[1]["name"] == "best":
+                    run["paired_verdict"] = run_verdict(d, rows[0], rows[1], VERDICT_DRAW)
+            finally:
+                d.close()
+        result["runs"].append(run)
+        write(out, result)  # after each run: a session that ends early keeps the runs it made
+    return result
+
+
+def verdicts(answers_path: Path, out: Path, simulated: bool) -> dict[str, Any]:
+    """The paired verdict alone for each run of an answers JSON that has side-by-side rows, on one fresh engine."""
+    doc = json.loads(answers_path.read_text())
+    table = json.loads(Path(doc["table"]).read_text())
+    policy_file = Path(doc["table"]).with_suffix(".policy.yaml")
+    policy = load_policy(policy_file if table["workload"] != "mixed" else None)
+    result: dict[str, Any] = {"answers": str(answers_path), "simulated": simulated, "runs": []}
+    d = Design(policy, out.with_suffix(""), simulated=simulated)
+    d.folder.mkdir(parents=True, exist_ok=True)
+    try:
+        d.open()
+        for run in doc["runs"]:
+            rows = (run.get("side_by_side") or {}).get("rows") or []
+            if len(rows) < 2 or rows[1]["name"] != "best":
+                continue
+            print(f"seed {run['seed']}: answer {short(rows[0]['knobs'])}, best {short(rows[1]['knobs'])}", flush=True)
+            d.folder = out.with_suffix("") / f"seed-{run['seed']}"
+            verdict = run_verdict(d, rows[0], rows[1], DEV_DRAW if simulated else VERDICT_DRAW)
+            result["runs"].append({"seed": run["seed"], "paired_verdict": verdict})
+            write(out, result)
+    finally:
+        d.close()
+    return result
+
+
+def write(out: Path, result: dict[str, Any]) -> None:
+    out.write_text(json.dumps(result | {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1,
+                              default=str) + "\n")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=("answers", "verdict"))
+    p.add_argument("--table", type=Path, help="answers: the design's JSON whose best the answers are set against")
+    p.add_argument("--answers", type=Path, help="verdict: an answers JSON whose runs are judged")
+    p.add_argument("--runs", type=int, default=len(ANSWER_SEEDS), help="answers: how many declared seeds to run")
+    p.add_argument("--first", type=int, default=0, help="answers: the index of the first declared seed to run")
+    p.add_argument("--simulated", action="store_true", help="verdict: the simulator stands in (a check, not evidence)")
+    p.add_argument("--out", type=Path, required=True, help="the JSON to write")
+    a = p.parse_args()
+    out = a.out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    given = a.table if a.what == "answers" else a.answers
+    if given is None or not given.is_file():
+        raise SystemExit(f"{a.what} needs --{'table' if a.what == 'answers' else 'answers'} FILE; got {given}")
+    if a.what == "answers":
+        answers(a.table.resolve(), out, a.runs, a.first)
+    else:
+        verdicts(a.answers.resolve(), out, a.simulated)
+    print(f"wrote {out} ({cpu_name()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
