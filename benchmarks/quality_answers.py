@@ -222,8 +222,9 @@ def answers(table_path: Path, out: Path, runs_wanted: int, first: int) -> dict[s
 def verdicts(answers_path: Path, out: Path, simulated: bool) -> dict[str, Any]:
     """The paired verdict alone for each run of an answers JSON that has side-by-side rows, on one fresh engine."""
     doc = json.loads(answers_path.read_text())
-    table = json.loads(Path(doc["table"]).read_text())
-    policy_file = Path(doc["table"]).with_suffix(".policy.yaml")
+    table_path = REPO / doc["table"]  # as the answers run named it: relative to the repository, or absolute
+    table = json.loads(table_path.read_text())
+    policy_file = table_path.with_suffix(".policy.yaml")
     policy = load_policy(policy_file if table["workload"] != "mixed" else None)
     result: dict[str, Any] = {"answers": str(answers_path), "simulated": simulated, "runs": []}
     d = Design(policy, out.with_suffix(""), simulated=simulated)
