@@ -5,16 +5,20 @@ verdict on whether an answer serves at least SHARE of the best's capacity.
             --out docs/benchmarks/tune-quality-mixed-answers.json [--first K] [--runs N]
         The README's main command once per seed of ANSWER_SEEDS (``--runs N`` of them from the ``--first``, on the
         table's workload); then on a fresh engine the run's tuned config, the table's best and the one-knob baseline
-        searched back to back on the design's draws; then the paired verdict of the answer against the best.
+        searched back to back on the design's draws; then the paired verdict of the answer against the best. A table
+        on a trace (tune_quality.py design --workload azure) needs the trace here: --trace FILE.
     python benchmarks/quality_answers.py verdict --answers docs/benchmarks/tune-quality-mixed-answers.json \\
             --out docs/benchmarks/tune-quality-mixed-verdict.json
         The paired verdict alone, on a fresh engine, for every run of an answers JSON (its side-by-side brackets).
 
-The paired verdict. A search's bracket on one 15 s window per probe cannot decide a 5 % gap. The verdict asks two
-claims, each of a pair of pools of sustained windows (tuner/measure/verdict.py: one confidence sequence per pool):
+The paired verdict. A search's bracket on one draw per probe cannot decide a 5 % gap. The verdict asks two
+claims, each of a pair of pools of measurements (tuner/measure/verdict.py: one confidence sequence per pool):
   - met: the answer shown to serve SHARE x r and the best shown to miss r, for r the best's searched missed rate:
     then the answer's capacity is at least SHARE r, above SHARE x the best's;
   - missed: the best shown to serve r and the answer shown to miss SHARE x r, for r the best's searched served rate.
+Each measurement is the searches' own (windows of the policy's trial duration in turn, each from an idle engine: the
+capacity the design's table holds; a sustained window's capacity is lower, and its rates are not the brackets'),
+as many windows as show the share served at the pool's level (half as many to show it missed), stopped once decided.
 Each round the two configs alternate (which goes first alternates too) on one fresh arrival draw, so that a drift of
 the machine's speed meets both; a pool already decided the way its claim needs is not measured again, and a claim
 one of whose pools was decided the other way is dropped. A claim is asked only where the side-by-side searches leave
@@ -35,6 +39,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Literal
+
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -136,11 +142,13 @@ def paired_verdict(answer: Contender, best: Contender, asked: list[Route], measu
 
 
 def verdict_spec(policy: Policy, level: float, rate: float, serving: bool) -> MeasurementSpec:
-    """One sustained window, sized as tune's verdict sizes a candidate (to show served) or the default beside it
-    (to show missed: half as long, at least the policy's verdict window)."""
+    """The searches' own measurement (windows of the policy's trial duration in turn, each from an idle engine: the
+    capacity the design measures), judged at ``level``, its cap as many windows as hold the blocks that show the
+    share served when every block attains (and a quarter more); to show missed, half as many."""
     spec = replace(measurement_spec(policy), level=level)
-    window = max(policy.verdict.window, spec.seconds_for_blocks(math.ceil(SHOW_MARGIN * spec.blocks_to_show()), rate))
-    return replace(spec, sustained_s=window if serving else max(policy.verdict.window, window / 2))
+    blocks = math.ceil(SHOW_MARGIN * spec.blocks_to_show() / (1 if serving else 2))
+    windows = math.ceil(spec.seconds_for_blocks(blocks, rate) / spec.window_s - 1e-9)
+    return replace(spec, max_segments=max(spec.max_segments, windows))
 
 
 def run_verdict(d: Design, answer_row: dict[str, Any], best_row: dict[str, Any], draw0: int) -> dict[str, Any]:
@@ -185,16 +193,32 @@ def compare(rows: list[dict[str, Any]], table_best: dict[str, Any], shown_low: f
             "shown_over_best": shown_low / best["req_per_s"] if best["req_per_s"] else None}
 
 
-def answers(table_path: Path, out: Path, runs_wanted: int, first: int) -> dict[str, Any]:
+def table_policy(table_path: Path, table: dict[str, Any], trace: Path | None, folder: Path) -> Path | None:
+    """The policy a table was measured under (None: the shipped one, on mixed), its trace read from ``trace`` when the
+    recorded one is not on this machine (the committed tables name it TRACES/...), written into ``folder``."""
+    if table["workload"] == "mixed":
+        return None
+    doc = yaml.safe_load(table_path.with_suffix(".policy.yaml").read_text())
+    recorded = Path(doc["workload"]["name"])
+    if trace is None and not recorded.is_file():
+        raise SystemExit(f"the table's trace {recorded} is not here: give --trace FILE")
+    doc["workload"]["name"] = str((trace or recorded).resolve())
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "policy.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def answers(table_path: Path, out: Path, runs_wanted: int, first: int, trace: Path | None) -> dict[str, Any]:
     """tune once per ANSWER_SEEDS (``runs_wanted`` of them from the ``first``, in their order); each answer, the
     table's best and the one-knob baseline then searched side by side on a fresh engine, and the paired verdict."""
     from tune_evidence import run_tune  # a sibling script: the README's main command in a fresh folder
 
     table = json.loads(table_path.read_text())
-    policy_file = table_path.with_suffix(".policy.yaml")
-    extra = [] if table["workload"] == "mixed" else ["--policy", str(policy_file)]
-    policy = load_policy(policy_file if extra else None)
     base = out.with_suffix("")
+    policy_file = table_policy(table_path, table, trace, base)
+    extra = [] if policy_file is None else ["--policy", str(policy_file)]
+    policy = load_policy(policy_file)
     result: dict[str, Any] = {"table": str(table_path), "best": table["best"], "runs": [], "seeds": list(ANSWER_SEEDS)}
     for i, seed in list(enumerate(ANSWER_SEEDS))[first:first + runs_wanted]:
         run = run_tune(base / f"run-{i}", ["--seed", str(seed), *extra]) | {"seed": seed}
@@ -219,13 +243,12 @@ def answers(table_path: Path, out: Path, runs_wanted: int, first: int) -> dict[s
     return result
 
 
-def verdicts(answers_path: Path, out: Path, simulated: bool) -> dict[str, Any]:
+def verdicts(answers_path: Path, out: Path, simulated: bool, trace: Path | None) -> dict[str, Any]:
     """The paired verdict alone for each run of an answers JSON that has side-by-side rows, on one fresh engine."""
     doc = json.loads(answers_path.read_text())
     table_path = REPO / doc["table"]  # as the answers run named it: relative to the repository, or absolute
     table = json.loads(table_path.read_text())
-    policy_file = table_path.with_suffix(".policy.yaml")
-    policy = load_policy(policy_file if table["workload"] != "mixed" else None)
+    policy = load_policy(table_policy(table_path, table, trace, out.with_suffix("")))
     result: dict[str, Any] = {"answers": str(answers_path), "simulated": simulated, "runs": []}
     d = Design(policy, out.with_suffix(""), simulated=simulated)
     d.folder.mkdir(parents=True, exist_ok=True)
@@ -257,6 +280,7 @@ def main() -> int:
     p.add_argument("--answers", type=Path, help="verdict: an answers JSON whose runs are judged")
     p.add_argument("--runs", type=int, default=len(ANSWER_SEEDS), help="answers: how many declared seeds to run")
     p.add_argument("--first", type=int, default=0, help="answers: the index of the first declared seed to run")
+    p.add_argument("--trace", type=Path, help="a table on a trace: the trace file on this machine")
     p.add_argument("--simulated", action="store_true", help="verdict: the simulator stands in (a check, not evidence)")
     p.add_argument("--out", type=Path, required=True, help="the JSON to write")
     a = p.parse_args()
@@ -266,9 +290,9 @@ def main() -> int:
     if given is None or not given.is_file():
         raise SystemExit(f"{a.what} needs --{'table' if a.what == 'answers' else 'answers'} FILE; got {given}")
     if a.what == "answers":
-        answers(a.table.resolve(), out, a.runs, a.first)
+        answers(a.table.resolve(), out, a.runs, a.first, a.trace)
     else:
-        verdicts(a.answers.resolve(), out, a.simulated)
+        verdicts(a.answers.resolve(), out, a.simulated, a.trace)
     print(f"wrote {out} ({cpu_name()})")
     return 0
 
