@@ -119,7 +119,7 @@ def test_a_trace_keeps_the_scales_a_policy_gives_it_and_drops_those_meant_for_mi
     (tmp_path / "policy.yaml").write_text(yaml.safe_dump(policy))
     args = build_parser().parse_args(["--workload", str(trace), "--policy", str(tmp_path / "policy.yaml")])
     w = policy_from_args(args).workload
-    assert (w.name, w.length_scale, w.max_context) == (str(trace), 0.0625, 2048)
+    assert (w.name, w.length_scale, w.max_context, w.output_scale) == (str(trace), 0.0625, 2048, None)
     w = policy_from_args(build_parser().parse_args(["--workload", str(trace)])).workload
     assert (w.name, w.length_scale, w.output_scale) == (str(trace), 1.0, None)
     w = policy_from_args(build_parser().parse_args(["--workload", "mixed"])).workload
