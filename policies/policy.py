@@ -325,8 +325,8 @@ def with_shipped_defaults(data: Any) -> Any:
     """``data`` read over the shipped default.yaml, the one home of every policy default: a top-level field it leaves
     out (or sets to null, for a section) takes the shipped value, and so does each field of a section it gives in
     part; only ``slo.tbt_p99`` is required. A workload other than the shipped one (a trace) takes WorkloadSpec's
-    defaults (the workload as it is) for the fields it leaves out. Anything but a mapping is returned as it is, for the validation to
-    reject."""
+    defaults (the workload as it is) for the fields it leaves out. Anything but a mapping is returned as it is, for
+    the validation to reject."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
