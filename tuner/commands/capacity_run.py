@@ -22,7 +22,6 @@ from slotune.units import format_duration
 from tuner.commands.nearest_run import floor_stop, none_shown
 from tuner.commands.progress import PROG, LiveLine, probe_line, say
 from tuner.commands.run_context import RunContext
-from slotune.slo import SLO
 from tuner.measure.capacity import MIN_RATE, CapacitySearcher, Shown, capacity_searcher, measurement_spec
 from tuner.measure.floor import measure_floor
 from engine.knobs import short_knobs
@@ -75,7 +74,7 @@ class CapacityRun:
                                  arrange=lambda a: arrangement.apply(self.runner, a), draw=self.s.draws.floor)
         self.floor = floor.as_dict()
         say(f"{PROG}: floor: {floor.describe()}")
-        slo = SLO(**p.slo.as_dict())
+        slo = self.s.slo
         if floor.alone is not None:
             say(f"{PROG}: floor: {floor.alone.describe()}")
         if floor.reason is not None or floor.below(slo):

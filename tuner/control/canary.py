@@ -151,8 +151,9 @@ def plan_switchback(spec: Canary, rate: float, baseline: float, predicted_gain: 
     requests/s from a baseline attainment ``baseline``; the order within each pair from ``seed``. On a ``fleet`` of
     replicas sharing the traffic, two groups of ``canary.share`` of them (drawn from ``seed``) trade the candidate:
     each block measures both configs at once, on each replica's share of the rate. A block measures
-    ``canary.block - canary.settle`` seconds after its settling time (:func:`settle_time`). Behind a queue (``service_gain``: the requests/s more the
-    candidate is predicted to finish) the plan holds the pairs the service route needs too."""
+    ``canary.block - canary.settle`` seconds after its settling time (:func:`settle_time`). Behind a queue
+    (``service_gain``: the requests/s more the candidate is predicted to finish) the plan holds the pairs the service
+    route needs too."""
     baseline = baseline if math.isfinite(baseline) else 0.5  # a window with no finished request: the widest share
     effect = max(spec.min_effect, min(predicted_gain if math.isfinite(predicted_gain) else 0.0, 1.0 - baseline))
     settle = settle_time(spec, service_s)
