@@ -61,6 +61,7 @@ LEVEL = 0.95
 VERDICT_DRAW = 1700  # round i on arrival draw VERDICT_DRAW + i (tune's runs use draws below 1400, the design 1500+)
 DEV_DRAW = 9000  # the simulated check's draws (never the evaluation's)
 MAX_ROUNDS = 2
+POOL_LEVEL = pool_level(LEVEL, 2)  # a wrong verdict needs one wrong pool of four: each pool's one-sided error 1.25 %
 Claim = Literal["met", "missed"]
 Measure = Callable[[Contender, float, int], Any]  # (config, rate, draw) -> tuner.measure.verdict.Sample
 
@@ -108,17 +109,13 @@ def routes(answer_bracket: list[float | None], best_bracket: list[float | None])
 def ratio(answer: Contender, best: Contender) -> Ratio:
     """The capacities' ratio from the verdict's shown bounds: the answer's served over the best's missed, the
     answer's missed over the best's served."""
-    a, b = answer.shown(), best.shown()
-    low = a.low / b.high if a.low > 0 and math.isfinite(b.high) else None
-    high = a.high / b.low if math.isfinite(a.high) and b.low > 0 else None
-    return Ratio(low, high)
+    return Ratio.of(answer.shown(), best.shown())
 
 
 def paired_verdict(answer: Contender, best: Contender, asked: list[Route], measure_at: Measure,
                    max_rounds: int = MAX_ROUNDS, draw0: int = VERDICT_DRAW) -> dict[str, Any]:
     """Rounds of the open routes' pools, the configs alternating on one draw per round, until a claim is shown or
     none is left open; the verdict (met, missed, undecided), the routes, and the ratio from shown bounds."""
-    level = pool_level(LEVEL, 2)
     rounds = 0
     for i in range(max_rounds):
         open_routes = [r for r in asked if not r.shown(answer, best) and not r.dropped(answer, best)]
@@ -133,9 +130,9 @@ def paired_verdict(answer: Contender, best: Contender, asked: list[Route], measu
         first = answer if i % 2 == 0 else best
         todo.sort(key=lambda pair: pair[0] is not first)
         for c, rate in todo:
-            c.add(measure_at(c, rate, draw0 + i), level)
+            c.add(measure_at(c, rate, draw0 + i), POOL_LEVEL)
     shown = [r.claim for r in asked if r.shown(answer, best)]
-    return {"verdict": shown[0] if shown else "undecided", "share": SHARE, "level": LEVEL, "pool_level": level,
+    return {"verdict": shown[0] if shown else "undecided", "share": SHARE, "level": LEVEL, "pool_level": POOL_LEVEL,
             "rounds": rounds, "routes": [{"claim": r.claim, "best_rate": r.rate, "answer_rate": r.answer_rate,
                                           "verdicts": list(r.verdicts(answer, best))} for r in asked],
             "ratio": ratio(answer, best).as_dict(), "answer": answer.as_dict(), "best": best.as_dict()}
@@ -158,11 +155,10 @@ def run_verdict(d: Design, answer_row: dict[str, Any], best_row: dict[str, Any],
     asked = routes(answer_row["bracket"], best_row["bracket"])
     serving = {(answer.name, r.answer_rate): r.claim == "met" for r in asked} | \
               {(best.name, r.rate): r.claim == "missed" for r in asked}
-    level = pool_level(LEVEL, 2)
 
     def measure_at(c: Contender, rate: float, draw: int) -> Any:
         folder = d.folder / "verdict" / f"draw-{draw}" / c.name / f"rate-{rate:.4g}"
-        m = measure(d.runner, c.knobs, rate, folder, draw, verdict_spec(d.policy, level, rate, serving[c.name, rate]))
+        m = measure(d.runner, c.knobs, rate, folder, draw, verdict_spec(d.policy, POOL_LEVEL, rate, serving[c.name, rate]))
         print(f"  verdict: {c.name} at {rate:.3g} req/s on draw {draw}: {m.describe()}", flush=True)
         return sample_of(m, draw)
 

@@ -173,6 +173,14 @@ class Ratio:
     low: float | None
     high: float | None
 
+    @classmethod
+    def of(cls, mine: Shown, theirs: Shown) -> Ratio:
+        """Capacity ratio mine / theirs: my shown-served rate over their shown-missed one, my shown-missed rate over
+        their shown-served one."""
+        low = mine.low / theirs.high if mine.low > 0 and math.isfinite(theirs.high) else None
+        high = mine.high / theirs.low if theirs.low > 0 and math.isfinite(mine.high) else None
+        return cls(low, high)
+
     def format(self) -> str:
         if self.low is None and self.high is None:
             return "no multiple shown"
@@ -237,10 +245,7 @@ class VerdictResult:
 
     def ratio(self, c: Contender) -> Ratio:
         """Capacity ratio candidate / default from shown bounds (:class:`Ratio`)."""
-        mine, theirs = c.shown(), self.default.shown()
-        low = mine.low / theirs.high if mine.low > 0 and math.isfinite(theirs.high) else None
-        high = mine.high / theirs.low if theirs.low > 0 and math.isfinite(mine.high) else None
-        return Ratio(low, high)
+        return Ratio.of(c.shown(), self.default.shown())
 
     @property
     def best(self) -> Contender | None:
