@@ -175,8 +175,7 @@ class Ratio:
 
     @classmethod
     def of(cls, mine: Shown, theirs: Shown) -> Ratio:
-        """Capacity ratio mine / theirs: my shown-served rate over their shown-missed one, my shown-missed rate over
-        their shown-served one."""
+        """Capacity ratio mine / theirs: shown served over shown missed, shown missed over shown served."""
         low = mine.low / theirs.high if mine.low > 0 and math.isfinite(theirs.high) else None
         high = mine.high / theirs.low if theirs.low > 0 and math.isfinite(mine.high) else None
         return cls(low, high)
