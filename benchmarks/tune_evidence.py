@@ -46,6 +46,7 @@ import yaml
 
 from engine.cpu_info import cpu_name
 from policies import WorkloadSpec, load_policy
+from slotune.slo import SLO
 from tuner.measure.capacity import capacity_searcher, measurement_spec
 from tuner.measure.measurement import Measurement, measure
 from tuner.measure.verdict import DEFAULT, Contender, Sample, first_rate, paired_verdict
@@ -102,7 +103,7 @@ def judged_check(knobs: dict[str, Any], rate: float, slo: dict[str, Any], worklo
     engine_.start()
     try:
         runner = TrialRunner(engine_, workload=WorkloadSpec(**workload), rate=rate, duration=CHECK_S,
-                             warmup=policy.warmup, slo=slo, seed=INDEPENDENT_SEED)
+                             warmup=policy.warmup, slo=SLO.from_dict(slo), seed=INDEPENDENT_SEED)
         spec = replace(measurement_spec(policy), sustained_s=CHECK_S)
         m = measure(runner, knobs, rate, folder, INDEPENDENT_SEED // 1000, spec)
     finally:

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from tuner.measure.dependence import block_counts
-from tuner.measure.verdict import RATES_PER_CANDIDATE, Contender, Ratio, Sample, paired_verdict, pool_levels
+from tuner.measure.capacity import Ratio
+from tuner.measure.verdict import RATES_PER_CANDIDATE, Contender, Sample, paired_verdict, pool_levels
 from tuner.measure.verdict_report import verdict_line
 
 
@@ -152,3 +153,20 @@ def test_served_and_missed_at_the_same_rate_decide_however_the_rate_was_computed
     c = Contender("candidate 1", {}, 6.0, next_rate=6.0 / 1.15 ** 2)
     r = paired_verdict(d, [c], measure_at, max_rounds=1, budget_s=math.inf)
     assert r.winner is c and r.ratio(c).format() == "> 1x"
+
+
+def test_a_candidate_not_shown_near_its_knee_steps_as_far_as_its_first_rate_was_placed() -> None:
+    """A candidate at 93 % at its first rate, its next round unable to show it served, attains 95 % a step lower (too
+    few blocks to show it) and all its requests two steps lower. With the default's searched ceiling far below, the
+    second rate is placed as the first was (two steps down here), where the candidate is shown to serve a rate the
+    default misses: a one-step rule leaves it undecided and the default config would be written. The default is not
+    yet shown to miss below the candidate's first rate, so only the searched ceiling can place the step."""
+    shares = {"default": {round(1.5 * 1.15, 6): 0.89, -1.0: 0.5},  # undecided at its own ceiling, near its knee
+              "candidate 1": {round(4.0, 6): 0.93, round(4.0 / 1.15, 6): 0.95, -1.0: 1.0}}
+    seen, measure_at = fixed_world(shares)
+    d = Contender("default", {}, 1.2, search_high=1.5)
+    c = Contender("candidate 1", {}, 4.6, next_rate=4.0)
+    r = paired_verdict(d, [c], measure_at, max_rounds=2, budget_s=math.inf, step=1.15)
+    rates = sorted({rate for name, rate, _ in seen if name == "candidate 1"}, reverse=True)
+    assert rates == [4.0, round(4.0 / 1.15 ** 2, 6)]
+    assert r.winner is c and r.outcome(c) == "better"

@@ -71,6 +71,33 @@ class Shown:
                                                                                    self.contradictions]}
 
 
+@dataclass(frozen=True)
+class Ratio:
+    """The ratio of two capacities from shown bounds only: None where an end was not shown."""
+
+    low: float | None
+    high: float | None
+
+    @classmethod
+    def of(cls, mine: Shown, theirs: Shown) -> Ratio:
+        """Capacity ratio mine / theirs: shown served over shown missed, shown missed over shown served."""
+        low = mine.low / theirs.high if mine.low > 0 and math.isfinite(theirs.high) else None
+        high = mine.high / theirs.low if theirs.low > 0 and math.isfinite(mine.high) else None
+        return cls(low, high)
+
+    def format(self) -> str:
+        if self.low is None and self.high is None:
+            return "no multiple shown"
+        if self.high is None:
+            return f">= {self.low:.3g}x" if self.low and self.low > 1 + 1e-9 else "> 1x"
+        if self.low is None:
+            return f"<= {self.high:.3g}x"
+        return f"{self.low:.3g}-{self.high:.3g}x"
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {"low": self.low, "high": self.high}
+
+
 @dataclass
 class Capacity:
     knobs: dict[str, Any]

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from tuner.measure.capacity import Shown
+from tuner.measure.capacity import Ratio, Shown
 from tuner.measure.dependence import Block, attainment_interval, paired_difference_interval
 from tuner.measure.measurement import TARGET_SHARE, MeasurementSpec, reachable
 from tuner.measure.statistics import DEFAULT_LEVEL, Interval, Verdict, lower_verdict
@@ -166,33 +166,6 @@ class Contender:
                 "pools": [p.as_dict() for p in sorted(self.pools.values(), key=lambda p: p.rate)]}
 
 
-@dataclass(frozen=True)
-class Ratio:
-    """The ratio of two capacities from shown bounds only: None where an end was not shown."""
-
-    low: float | None
-    high: float | None
-
-    @classmethod
-    def of(cls, mine: Shown, theirs: Shown) -> Ratio:
-        """Capacity ratio mine / theirs: shown served over shown missed, shown missed over shown served."""
-        low = mine.low / theirs.high if mine.low > 0 and math.isfinite(theirs.high) else None
-        high = mine.high / theirs.low if theirs.low > 0 and math.isfinite(mine.high) else None
-        return cls(low, high)
-
-    def format(self) -> str:
-        if self.low is None and self.high is None:
-            return "no multiple shown"
-        if self.high is None:
-            return f">= {self.low:.3g}x" if self.low and self.low > 1 + 1e-9 else "> 1x"
-        if self.low is None:
-            return f"<= {self.high:.3g}x"
-        return f"{self.low:.3g}-{self.high:.3g}x"
-
-    def as_dict(self) -> dict[str, float | None]:
-        return {"low": self.low, "high": self.high}
-
-
 def pool_level(level: float, rates: int) -> float:
     """The two-sided level of a pool's confidence sequence when one side of ``level``'s error rate (half of it) is
     spread over ``rates`` rates: each pool's one-sided error (1 - level) / 2 / rates."""
@@ -286,12 +259,15 @@ class VerdictResult:
 MeasureAt = Callable[[Contender, float, int], Sample]
 
 
-def plan_next(c: Contender, step: float, floor: float, more_blocks: int, default_missed: float = math.inf) -> None:
+def plan_next(c: Contender, step: float, floor: float, more_blocks: int, default_missed: float = math.inf,
+              default_high: float = math.inf) -> None:
     """Where candidate ``c`` is measured next round, from its pool at the rate just measured; ``more_blocks``: the
-    blocks another round adds there. It stays while another round may show it served; else it steps down, two steps
-    where the default is already shown missed that low (the candidate need only serve that rate to be better, and
-    serves a lower rate more surely), never below ``default_missed``. None once it is shown served, or when a step
-    would go below ``floor`` or past its :data:`RATES_PER_CANDIDATE` rates."""
+    blocks another round adds there. It stays while another round may show it served; else it steps down as its
+    first rate was placed below its claim (:func:`first_rate` against the default's searched ``default_high``: a
+    candidate near its knee attains a few points more a step lower, too few to be shown, while the default still
+    misses further down), to ``default_missed`` where the default is already shown missed lower (two steps at most:
+    the candidate need only serve that rate to be better). None once it is shown served, or when a step would go
+    below ``floor`` or past its :data:`RATES_PER_CANDIDATE` rates."""
     rate = c.next_rate
     pool = c.pool(rate) if rate is not None else None
     if rate is None or pool is None:
@@ -300,7 +276,7 @@ def plan_next(c: Contender, step: float, floor: float, more_blocks: int, default
     if v == "met":
         c.next_rate = None
     elif v == "missed" or not pool.within_reach("met", more_blocks):
-        down = rate / step
+        down = first_rate(rate, default_high, step)
         if default_missed < down * (1 - 1e-9):
             down = max(default_missed, rate / step ** 2)
         fits = down >= floor * (1 - 1e-9) and len(c.pools) < RATES_PER_CANDIDATE
@@ -381,7 +357,8 @@ def paired_verdict(default: Contender, candidates: list[Contender], measure_at: 
         for c in candidates:
             pool = c.pool(c.next_rate) if c.next_rate is not None else None
             last = pool.samples[-1] if pool and pool.samples else None
-            plan_next(c, step, floor, max(1, len(last.blocks) if last else 1), default.shown().high)
+            plan_next(c, step, floor, max(1, len(last.blocks) if last else 1), default.shown().high,
+                      default.search_high)
         slowest = max(slowest, clock() - t0)
         if on_round is not None:
             on_round(r + 1, result)
