@@ -79,7 +79,7 @@ def test_a_claim_that_does_not_hold_on_fresh_draws_steps_down_once_and_no_furthe
 
 def test_a_step_down_goes_no_lower_than_the_rate_where_the_default_is_shown_to_miss() -> None:
     """Once the default is shown to miss at its ceiling, the candidate need only serve that rate to be better: it
-    steps two steps down, but not below it."""
+    steps down to it, but not below it."""
     shares = {"default": {-1.0: 0.2}, "candidate 1": {round(4.0, 6): 0.7, -1.0: 1.0}}
     seen, measure_at = fixed_world(shares)
     d = Contender("default", {}, 2.5, search_high=3.0)
@@ -170,3 +170,18 @@ def test_a_candidate_not_shown_near_its_knee_steps_as_far_as_its_first_rate_was_
     rates = sorted({rate for name, rate, _ in seen if name == "candidate 1"}, reverse=True)
     assert rates == [4.0, round(4.0 / 1.15 ** 2, 6)]
     assert r.winner is c and r.outcome(c) == "better"
+
+
+def test_a_candidate_not_shown_goes_straight_to_the_rate_the_default_is_shown_to_miss() -> None:
+    """A candidate whose sustained knee lies far below its searched capacity (88-91 % at its first rate and two
+    steps lower) is never shown served near it; once the default is shown to miss at its own ceiling, the
+    candidate's second rate is that ceiling, however far below, where it serves and is shown better."""
+    ceiling = round(1.5 * 1.15, 6)
+    shares = {"default": {-1.0: 0.5}, "candidate 1": {round(7.0, 6): 0.90, ceiling: 1.0, -1.0: 0.88}}
+    seen, measure_at = fixed_world(shares)
+    d = Contender("default", {}, 1.3, search_high=1.5)
+    c = Contender("candidate 1", {}, 9.0, next_rate=7.0)
+    r = paired_verdict(d, [c], measure_at, max_rounds=2, budget_s=math.inf, step=1.15)
+    rates = sorted({rate for name, rate, _ in seen if name == "candidate 1"}, reverse=True)
+    assert rates == [7.0, ceiling]  # not 7.0 / 1.15 ** 2, where it attains 88 %
+    assert r.winner is c and r.ratio(c).low == pytest.approx(1.0)

@@ -265,9 +265,10 @@ def plan_next(c: Contender, step: float, floor: float, more_blocks: int, default
     blocks another round adds there. It stays while another round may show it served; else it steps down as its
     first rate was placed below its claim (:func:`first_rate` against the default's searched ``default_high``: a
     candidate near its knee attains a few points more a step lower, too few to be shown, while the default still
-    misses further down), to ``default_missed`` where the default is already shown missed lower (two steps at most:
-    the candidate need only serve that rate to be better). None once it is shown served, or when a step would go
-    below ``floor`` or past its :data:`RATES_PER_CANDIDATE` rates."""
+    misses further down), or straight to ``default_missed`` where the default is already shown missed lower: the
+    candidate need only serve that rate to be better, and serves it most surely (a sustained window's knee can lie
+    far below a search's). None once it is shown served, or when a step would go below ``floor`` or past its
+    :data:`RATES_PER_CANDIDATE` rates."""
     rate = c.next_rate
     pool = c.pool(rate) if rate is not None else None
     if rate is None or pool is None:
@@ -278,7 +279,7 @@ def plan_next(c: Contender, step: float, floor: float, more_blocks: int, default
     elif v == "missed" or not pool.within_reach("met", more_blocks):
         down = first_rate(rate, default_high, step)
         if default_missed < down * (1 - 1e-9):
-            down = max(default_missed, rate / step ** 2)
+            down = default_missed
         fits = down >= floor * (1 - 1e-9) and len(c.pools) < RATES_PER_CANDIDATE
         c.next_rate = down if fits else None
 
@@ -337,8 +338,8 @@ def paired_verdict(default: Contender, candidates: list[Contender], measure_at: 
     started, slowest = clock(), 0.0
     for r in range(max_rounds):
         plan = [(default, rate) for rate in default_rates(result, step)]
-        plan += [(c, c.next_rate) for c in candidates
-                 if result.outcome(c) == "undecided" and c.next_rate is not None]
+        plan += [(c, rate) for c in candidates
+                 if (rate := c.next_rate) is not None and result.outcome(c) == "undecided"]
         if not plan:
             result.stopped = f"nothing left to measure could decide, after {r} rounds"
             return result
@@ -348,7 +349,6 @@ def paired_verdict(default: Contender, candidates: list[Contender], measure_at: 
         t0 = clock()
         measured: set[str] = set()
         for c, rate in (plan if r % 2 == 0 else plan[::-1]):
-            assert rate is not None
             sample = measure_at(c, rate, first_draw + r)
             c.add(sample, result.look(c))
             if c.name not in measured:
