@@ -144,8 +144,7 @@ def verdict_spec(policy: Policy, level: float, rate: float, serving: bool) -> Me
     capacity the design measures), judged at ``level``, its cap as many windows as hold the blocks that show the
     share served when every block attains (and a quarter more); to show missed, half as many."""
     spec = replace(measurement_spec(policy), level=level)
-    blocks = math.ceil(SHOW_MARGIN * spec.blocks_to_show() / (1 if serving else 2))
-    windows = math.ceil(spec.seconds_for_blocks(blocks, rate) / spec.window_s - 1e-9)
+    windows = math.ceil(spec.seconds_to_show(rate, SHOW_MARGIN / (1 if serving else 2)) / spec.window_s - 1e-9)
     return replace(spec, max_segments=max(spec.max_segments, windows))
 
 

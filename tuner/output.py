@@ -81,7 +81,8 @@ def write_tuned_yaml(path: Path, *, knobs: dict[str, Any], slo: dict[str, Any], 
             **capacity, "evidence": evidence or {}, "vllm_serve": vllm, "report": str(report)}
         _write_yaml(path, doc)
         return
-    assert tuned is not None
+    if tuned is None:
+        raise ValueError("a goodput tuned.yaml needs the tuned trial (or a capacity section)")
     doc = {
         "knobs": knobs,
         "slo": {k: v for k, v in slo.items() if v is not None},

@@ -80,6 +80,11 @@ class MeasurementSpec:
         a block of MIN_BLOCK requests spans longer)."""
         return blocks * (self.block_at(rate) / rate if rate > 0 else self.block_s)
 
+    def seconds_to_show(self, rate: float, margin: float = 1.0) -> float:
+        """Seconds of arrivals at ``rate`` that hold ``margin`` times the fewest blocks that can show the target
+        share met (:meth:`blocks_to_show`): a measurement sized to decide, whatever the rate."""
+        return self.seconds_for_blocks(math.ceil(margin * self.blocks_to_show()), rate)
+
     def segments_at(self, rate: float) -> int:
         """The cap in windows at ``rate``: ``max_segments``, or more below 1 req/s, so that the cap holds as many
         blocks (as much evidence) at every rate. A measurement is sized by its requests, not its seconds: 45 s at

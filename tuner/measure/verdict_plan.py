@@ -9,7 +9,6 @@ ceiling is the policy's ``verdict.window``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from pathlib import Path
@@ -47,7 +46,7 @@ class VerdictPlan:
         """The sustained window of one side at ``rate`` (0: a rate of 1 req/s or more): it holds the blocks, not the
         seconds, a candidate needs, so a low rate gets a longer window (a block is at least MIN_BLOCK requests)."""
         spec = replace(self.spec, level=pool_levels(self.spec.level, self.candidates)[0])
-        candidate = max(self.window, spec.seconds_for_blocks(math.ceil(SHOW_MARGIN * spec.blocks_to_show()), rate))
+        candidate = max(self.window, spec.seconds_to_show(rate, SHOW_MARGIN))
         if not default:
             return candidate
         return max(self.window, candidate / 2) if beside else self.window

@@ -89,7 +89,8 @@ class RestartedEngine:
 
     def read_back(self) -> dict[str, Any]:
         """What the running server says its knobs are: slotune's admin config, vLLM's printed configuration."""
-        assert self.handle is not None
+        if self.handle is None:
+            raise RuntimeError("no server is running: start one before reading its knobs back")
         h = self.handle
         try:
             r = httpx.get(h.url + "/admin/config", headers={"authorization": f"Bearer {self.token}"}, timeout=10)

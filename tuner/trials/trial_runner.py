@@ -293,7 +293,6 @@ class TrialRunner:
                  itl_end: dict[float, float], duration: float) -> TrialOutcome:
         """The load test's window ([warmup, warmup + duration) of the schedule, cut short when pruned) summarized
         and written with the engine's step records of it, and judged."""
-        assert isinstance(self.slo, SLO)
         end = min(self.warmup + duration, math.inf if watch.stopped_at is None else watch.stopped_at)
         records_path = out_dir / files.RECORDS
         summary = summarize(str(records_path), slo=self.slo, window=(self.warmup, max(end, self.warmup + 1e-3)),
