@@ -74,7 +74,7 @@ class CapacityRun:
                                  arrange=lambda a: arrangement.apply(self.runner, a), draw=self.s.draws.floor)
         self.floor = floor.as_dict()
         say(f"{PROG}: floor: {floor.describe()}")
-        slo = self.s.slo
+        slo = p.slo
         if floor.alone is not None:
             say(f"{PROG}: floor: {floor.alone.describe()}")
         if floor.reason is not None or floor.below(slo):

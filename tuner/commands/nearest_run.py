@@ -48,7 +48,7 @@ def nearest_capacity(context: RunContext, runner: TrialBackend, knobs: dict[str,
     searcher = capacity_searcher(runner, context.policy)  # its own: what it learns holds at the nearer targets only
     searcher.deadline = context.started + context.policy.time_budget
     searcher.on_probe = probe_line
-    found = search_nearest(searcher, context.slo, nearer, source, knobs, context.trials_dir / "nearest", start)
+    found = search_nearest(searcher, context.policy.slo, nearer, source, knobs, context.trials_dir / "nearest", start)
     keep(context.trials_dir, found, who)
     return [f"  {head}; there the {who} serves: {found.capacity.describe()}"]
 
@@ -63,7 +63,7 @@ def floor_stop(context: RunContext, runner: TrialBackend, why: str, alone: Reach
     requests reached one at a time; exit 1."""
     print(f"{PROG}: error: {why}; no config can meet it here (nothing written; floor: "
           f"{context.trials_dir / 'floor' / 'floor.json'})", file=sys.stderr)
-    if alone is None or (nearer := nearest_slo(context.slo, alone)) is None:
+    if alone is None or (nearer := nearest_slo(context.policy.slo, alone)) is None:
         return 1
     lines = nearest_capacity(context, runner, {}, "default config", alone, nearer, "one request at a time", rate)
     print("\n".join(lines), file=sys.stderr)
@@ -77,7 +77,7 @@ def none_shown(context: RunContext, runner: TrialBackend, study: optuna.Study) -
     p = context.policy
     report = context.out.with_suffix(".html")
     names = [k.name for k in p.search_space]
-    slo = context.slo
+    slo = p.slo
     lines, undecided = [], False
     nearest: tuple[float, dict[str, Any], str, Reached, SLO, float] | None = None
     for t in measured(study):

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from policies import Policy
-from slotune.slo import SLO
 from tuner.measure.measurement import Draws
 from tuner.trials.engine_handle import EngineHandle
 from tuner.trials.engine_kinds import ServerKind
@@ -35,11 +34,6 @@ class RunContext:
     @property
     def engine_name(self) -> str:
         return self.kind.name if self.kind is not None else "slotune"
-
-    @property
-    def slo(self) -> SLO:
-        """The policy's targets as the measurements judge them."""
-        return SLO(**self.policy.slo.as_dict())
 
     def slo_text(self) -> str:
         return self.policy.slo.words()

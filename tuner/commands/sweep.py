@@ -25,7 +25,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
-from slotune.slo import SLO
 from slotune.units import format_duration
 from engine.knobs import KNOB_BY_NAME, KNOB_NAMES
 from policies import Policy, PolicyError, load_policy
@@ -197,7 +196,7 @@ def simulator_runner(plan: SweepPlan) -> Any:
         raise CliError(f"argument --profile: {error}") from None
     p = plan.policy
     return SimTrialRunner(model, limits=limits_of(model), workload=p.workload, rate=plan.rate,
-                          duration=p.trial_duration, warmup=p.warmup, slo=SLO(**p.slo.as_dict()), seed=p.seed)
+                          duration=p.trial_duration, warmup=p.warmup, slo=p.slo, seed=p.seed)
 
 
 def run_sweep(plan: SweepPlan, runner: Any) -> list[dict[str, Any]]:

@@ -119,7 +119,7 @@ def run_method(method: str, policy: Policy, table: dict[str, Point], trials: int
     policy = policy.replace(sampler="tpe", start="random") if method == "tpe-random-start" else \
         policy.replace(sampler=method, start="structured" if method == "tpe" else policy.start)
     policy = policy.replace(trials=trials, objective="goodput")
-    backend = backend or LookupBackend(table, SLO(**policy.slo.as_dict()))
+    backend = backend or LookupBackend(table, policy.slo)
     if default is not None:
         backend.table = {**backend.table, key({}): default}
 
