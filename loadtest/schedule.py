@@ -39,11 +39,10 @@ def open_config_workload(cfg: LoadConfig) -> Workload:
                          prefix_output_len=cfg.prefix_output_len, trace_offset_s=cfg.trace_offset)
 
 
-def segment_start(span_s: float, needed_s: float, seed: int) -> float:
-    """Where a trace segment of ``needed_s`` (trace time) starts for draw ``seed``: uniform over the starts whose
-    segment ends within the trace's ``span_s``; 0 when the trace is no longer than the segment."""
-    room = span_s - needed_s
-    return float(np.random.default_rng([seed, 7]).uniform(0.0, room)) if room > 0 else 0.0
+def segment_start(latest_s: float, seed: int) -> float:
+    """Where a trace segment starts for draw ``seed``: uniform over [0, ``latest_s``], the starts whose segment
+    ends within the trace; 0 when none does (the trace is no longer than the segment)."""
+    return float(np.random.default_rng([seed, 7]).uniform(0.0, latest_s)) if latest_s > 0 else 0.0
 
 
 def draw_segment(wl: TraceWorkload, seed: int, rate: float | None, duration: float, time_scale: float) -> float:
@@ -54,10 +53,10 @@ def draw_segment(wl: TraceWorkload, seed: int, rate: float | None, duration: flo
     (5th-95th percentile), so at the whole trace's rate one draw's load would say little about another's."""
     n = max(1, round(rate * duration)) if rate else 0
     if not n or len(wl.rows) <= n + 1:  # a time scale given, or a trace shorter than the window: the trace's scale
-        wl.start_at(segment_start(wl.span_s, duration / time_scale, seed))
+        wl.start_at(segment_start(wl.span_s - duration / time_scale, seed))
         return time_scale
     latest = wl.rows[-1 - n].time - wl.rows[0].time  # the latest start that leaves n rows after it
-    wl.start_at(segment_start(wl.span_s, wl.span_s - latest, seed))
+    wl.start_at(segment_start(latest, seed))
     end = wl.rows[n].time  # the row after the segment's n, from the segment's start
     return duration / end if end > 0 else time_scale
 
