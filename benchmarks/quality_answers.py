@@ -49,9 +49,8 @@ from tune_quality import ONE_KNOB_CHUNK, Design, ratio_to, short  # noqa: E402  
 
 from engine.cpu_info import cpu_name  # noqa: E402
 from policies import Policy, load_policy  # noqa: E402
-from tuner.measure.capacity import measurement_spec  # noqa: E402
+from tuner.measure.capacity import Ratio, measurement_spec  # noqa: E402
 from tuner.measure.measurement import MeasurementSpec, measure  # noqa: E402
-from tuner.measure.capacity import Ratio  # noqa: E402
 from tuner.measure.verdict import Contender, pool_level  # noqa: E402
 from tuner.measure.verdict_plan import SHOW_MARGIN, sample_of  # noqa: E402
 from tuner.search.design import config_key  # noqa: E402
