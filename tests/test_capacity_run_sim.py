@@ -3,9 +3,13 @@ configs, the paired verdict, tuned.yaml) on the simulator standing in for the en
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -23,9 +27,9 @@ from tuner.simulation.step_time_model import StepTimeModel
 from tuner.search.study import enqueue_default, open_storage, open_study
 
 
-def run_on_the_simulator(tmp_path: Path, tbt: float, capsys: pytest.CaptureFixture[str],
-                         searches_budget: float | None = None, apply_to: str | None = None,
-                         ttft: float = 2.0) -> tuple[int, str, str]:
+def run_on_the_simulator(tmp_path: Path, tbt: float, searches_budget: float | None = None,
+                         apply_to: str | None = None, ttft: float = 2.0) -> tuple[int, str, str]:
+    """One simulated `tune` (3 trials, a 6-config screen): its exit code, stdout and stderr."""
     policy = load_policy().replace(trials=3)
     if searches_budget is not None:  # a time budget spent before the searches (less than one verdict round)
         policy = policy.replace(time_budget=searches_budget)
@@ -42,9 +46,40 @@ def run_on_the_simulator(tmp_path: Path, tbt: float, capsys: pytest.CaptureFixtu
                          warmup=policy.warmup, slo=SLO(tbt, ttft), seed=policy.seed)
     study = open_study(storage, session.study_name, policy)
     enqueue_default(study)
-    rc = CapacityRun(session.context(), sim, study, "sim").run()
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = CapacityRun(session.context(), sim, study, "sim").run()
+    return rc, out.getvalue(), err.getvalue()
+
+
+@dataclass(frozen=True)
+class AppliedFlow:
+    """The whole flow at the README's 50 ms, with ``--apply`` to a real engine: what it said and wrote, and the
+    engine's config after it."""
+
+    rc: int
+    out: str
+    err: str
+    folder: Path
+    url: str
+    engine_config: dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def applied_flow(tmp_path_factory: pytest.TempPathFactory) -> AppliedFlow:
+    """One simulated `tune --apply` for the flow's tests (the flow takes most of a test's time)."""
+    import httpx
+
+    from tests.server_helpers import InProcessServer
+
+    server = InProcessServer(admin_token="secret")
+    try:
+        folder = tmp_path_factory.mktemp("flow")
+        rc, out, err = run_on_the_simulator(folder, 0.050, apply_to=server.url)
+        config = httpx.get(server.url + "/admin/config", headers={"authorization": "Bearer secret"}).json()["config"]
+        return AppliedFlow(rc, out, err, folder, server.url, config)
+    finally:
+        server.stop()
 
 
 def long_run_attainment(knobs: dict, rate: float, tmp_path: Path) -> float:
@@ -59,9 +94,9 @@ def long_run_attainment(knobs: dict, rate: float, tmp_path: Path) -> float:
 
 
 def test_the_capacity_flow_on_the_simulator_claims_only_what_long_runs_confirm(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, _ = run_on_the_simulator(tmp_path, 0.050, capsys)
-    assert rc == 0, out
+        applied_flow: AppliedFlow, tmp_path: Path) -> None:
+    rc, out, flow = applied_flow.rc, applied_flow.out, applied_flow.folder
+    assert rc == 0, out + applied_flow.err
     assert "floor: batch-1 p99 TBT" in out and "screened" in out
     # the screen's design is the run's, recorded
     assert "screening 6 configs of a Latin hypercube over the 1200 combinations (design seed 0, kept in the study)" \
@@ -73,7 +108,7 @@ def test_the_capacity_flow_on_the_simulator_claims_only_what_long_runs_confirm(
     low, high = map(float, re.search(r"#0 default config \| searched [\d.]+ req/s \(([\d.]+)-([\d.]+)\)",
                                      out).groups())  # type: ignore[union-attr]
     assert high / low <= 1.15 + 1e-6 or len(re.findall(r"^    [\d.]+ req/s:", out.split("[1/3]")[0], re.M)) == 5, out
-    doc = yaml.safe_load((tmp_path / "out" / "tuned.yaml").read_text())
+    doc = yaml.safe_load((flow / "out" / "tuned.yaml").read_text())
     assert doc["evidence"]["design_seed"] == 0
     verdict = doc["evidence"]["verdict"]
     claims = [(c["knobs"], p["rate"], p["verdict"]) for c in [verdict["default"]] + verdict["candidates"]
@@ -107,15 +142,14 @@ def test_the_capacity_flow_on_the_simulator_claims_only_what_long_runs_confirm(
     assert error["configs"] == 3 and error["median_capacity_error"] is not None
     assert re.search(r"the simulator against the engine over 3 configs: capacity error median \d+% \(largest \d+%\), "
                      r"\d of 3 brackets meet, rank correlation (-?[\d.]+|-)", out), out
-    assert "&id" not in (tmp_path / "out" / "tuned.yaml").read_text()
-    assert (tmp_path / "out" / "tuned.html").exists()
+    assert "&id" not in (flow / "out" / "tuned.yaml").read_text()
+    assert (flow / "out" / "tuned.html").exists()
 
 
-def test_one_candidate_is_searched_even_when_the_default_s_search_spent_the_searches_budget(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_one_candidate_is_searched_even_when_the_default_s_search_spent_the_searches_budget(tmp_path: Path) -> None:
     """A study of the default config alone cannot answer the question: the first screened candidate is searched
     whatever the clock says; the budget stops the searches after it."""
-    rc, out, _ = run_on_the_simulator(tmp_path, 0.050, capsys, searches_budget=0.001)
+    rc, out, _ = run_on_the_simulator(tmp_path, 0.050, searches_budget=0.001)
     assert rc == 0, out
     assert re.search(r"\[2/3\] #1 seqs=", out) and "[3/3]" not in out, out
     assert "no further configs searched" in out and "candidate 1" in out
@@ -143,18 +177,17 @@ def test_the_verdict_sizes_its_windows_to_show_the_share_and_splits_its_error_ra
     assert attainment_interval([(1, 1)] * (blocks - 1), candidate.level, 0.9).low < 0.9
 
 
-def test_an_slo_below_the_simulated_floor_stops_before_searching(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, _, err = run_on_the_simulator(tmp_path, 0.001, capsys)
+def test_an_slo_below_the_simulated_floor_stops_before_searching(tmp_path: Path) -> None:
+    rc, _, err = run_on_the_simulator(tmp_path, 0.001)
     assert rc == 1 and "below this machine's floor" in err
     assert not (tmp_path / "out" / "tuned.yaml").exists()
 
 
 def test_a_ttft_target_the_prompts_miss_even_one_at_a_time_stops_before_searching_naming_the_binding_target(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path) -> None:
     """The workload's own prompts, one at a time on an idle engine, take longer than the TTFT target to their first
     token: no config serves any rate. tune says so at once, which target binds, and what this machine reaches."""
-    rc, out, err = run_on_the_simulator(tmp_path, 1.0, capsys, ttft=0.001)
+    rc, out, err = run_on_the_simulator(tmp_path, 1.0, ttft=0.001)
     assert rc == 1, out + err
     assert re.search(r"one request at a time, \d+% \([\d.]+-[\d.]+\) of the workload's requests attain the SLO",
                      err), err
@@ -174,7 +207,7 @@ def test_a_ttft_target_the_prompts_miss_even_one_at_a_time_stops_before_searchin
     assert nearest["slo"]["tbt_p99"] == 1.0 and nearest["asked"]["ttft_p99"] == 0.001
     assert math.isclose(nearest["capacity"]["req_per_s"], float(found.group(2)), rel_tol=0.01) and nearest["capacity"]["req_per_s"] > 0
     # the same targets that one request at a time meets: the search goes on
-    rc, out, err = run_on_the_simulator(tmp_path / "loose", 1.0, capsys, ttft=10.0)
+    rc, out, err = run_on_the_simulator(tmp_path / "loose", 1.0, ttft=10.0)
     assert "error" not in err and "binds" not in out
 
 
@@ -322,19 +355,8 @@ def test_the_bracket_of_a_searchs_readings() -> None:
     assert reading("met", 0.91) == "met" and reading("missed", 0.92) == "missed"
 
 
-def test_apply_leaves_the_tuned_config_in_the_engine_with_the_capacity_objective(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    import httpx
-
-    from tests.server_helpers import InProcessServer
-
-    server = InProcessServer(admin_token="secret")
-    try:
-        rc, out, err = run_on_the_simulator(tmp_path, 0.050, capsys, apply_to=server.url)
-        assert rc == 0, out + err
-        tuned = yaml.safe_load((tmp_path / "out" / "tuned.yaml").read_text())["knobs"]
-        config = httpx.get(server.url + "/admin/config", headers={"authorization": "Bearer secret"}).json()["config"]
-        assert {k: config[k] for k in tuned} == tuned
-        assert f"tune: applied to {server.url}: " in out
-    finally:
-        server.stop()
+def test_apply_leaves_the_tuned_config_in_the_engine_with_the_capacity_objective(applied_flow: AppliedFlow) -> None:
+    assert applied_flow.rc == 0, applied_flow.out + applied_flow.err
+    tuned = yaml.safe_load((applied_flow.folder / "out" / "tuned.yaml").read_text())["knobs"]
+    assert {k: applied_flow.engine_config[k] for k in tuned} == tuned
+    assert f"tune: applied to {applied_flow.url}: " in applied_flow.out

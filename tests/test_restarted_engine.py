@@ -28,6 +28,7 @@ CONFIG = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "chunk_size": 16}
 WORKLOAD = WorkloadSpec(name="mixed", length_scale=0.125, output_scale=0.25)
 SLO_LOOSE = SLO(tbt_p99=1.0, ttft_p99=5.0)
 SPEC = MeasurementSpec(min_gaps=200, max_segments=2, window_s=6.0)
+SHORT_S = 3.0  # a window that only has to show which server ran it
 
 
 def runner_on(engine: ManagedEngine | RestartedEngine, server_warmup: float = 0.0) -> TrialRunner:
@@ -59,10 +60,10 @@ def test_the_restart_path_measures_a_config_as_the_live_path_does_on_the_same_dr
         assert restarted.starts[-1].warm_s >= 2.0 and (warm / "records.parquet").exists()
         # a second rate of the same config runs on the same server, warmed once
         starts, warm_s = len(restarted.starts), restarted.starts[-1].warm_s
-        runner.run(CONFIG, tmp_path / "again", rate=1.0)
+        runner.run(CONFIG, tmp_path / "again", rate=1.0, duration=SHORT_S)
         assert len(restarted.starts) == starts and restarted.starts[-1].warm_s == warm_s
         # back to the default config: the server with no knob flags, as the engine resolves it
-        o = runner.run({}, tmp_path / "default", rate=1.0)
+        o = runner.run({}, tmp_path / "default", rate=1.0, duration=SHORT_S)
         assert o.summary.get("completed") and len(restarted.starts) == starts + 1
         assert "--max-num-seqs" not in Path(restarted.starts[-1].log).read_text().splitlines()[0]
         pgid = restarted.process.pid
@@ -84,7 +85,7 @@ def test_a_config_the_server_rejects_is_infeasible_with_the_servers_own_words(tm
         assert o.reason.startswith("rejected by the engine at start-up: the server exited with 2 while starting")
         assert "max_num_seqs=600" in o.reason and "must be <= max_num_batched_tokens" in o.reason
         # the next config starts clean
-        ok = runner.run({"max_num_seqs": 2}, tmp_path / "good", rate=1.0)
+        ok = runner.run({"max_num_seqs": 2}, tmp_path / "good", rate=1.0, duration=SHORT_S)
         assert ok.summary.get("completed") and not (ok.reason or "").startswith("rejected"), ok.reason
         assert [s.ok for s in restarted.starts] == [True, False, True]
 
