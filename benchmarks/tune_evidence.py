@@ -49,8 +49,9 @@ from policies import WorkloadSpec, load_policy
 from slotune.slo import SLO
 from tuner.measure.capacity import capacity_searcher, measurement_spec
 from tuner.measure.measurement import Measurement, measure
-from tuner.measure.verdict import DEFAULT, Contender, Sample, first_rate, paired_verdict
-from tuner.measure.verdict_report import headline_rate, verdict_line
+from tuner.measure.verdict import DEFAULT, Contender, Sample
+from tuner.measure.verdict_rounds import first_rate, paired_verdict
+from tuner.measure.verdict_report import verdict_line
 from tuner.measure.verdict_plan import VerdictPlan, sample_of
 from tuner.trials.engine_handle import ManagedEngine
 from tuner.trials.trial_runner import TrialRunner
@@ -194,7 +195,7 @@ def baseline(out: Path, tuned_yaml: Path, chunks: list[int], simulated: bool = F
         finally:
             if engine_ is not None:
                 engine_.stop()
-        rate = headline_rate(c)
+        rate = result.headline_rate(c)
         diff = result.paired_difference(c, rate)
         rows.append({"chunk_size": chunk, "baseline_search": cap.as_dict(), "verdict": result.as_dict(),
                      "line": verdict_line(result, policy.slo.words()),

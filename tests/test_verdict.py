@@ -10,8 +10,9 @@ import pytest
 
 from tuner.measure.dependence import block_counts
 from tuner.measure.capacity import Ratio
-from tuner.measure.verdict import RATES_PER_CANDIDATE, Contender, Sample, paired_verdict, pool_levels
+from tuner.measure.verdict import RATES_PER_CANDIDATE, Contender, Sample, pool_levels
 from tuner.measure.verdict_report import verdict_line
+from tuner.measure.verdict_rounds import paired_verdict
 
 
 def blocks(attaining: int, requests: int, size: int = 10) -> tuple[tuple[int, int], ...]:
@@ -155,10 +156,10 @@ def test_served_and_missed_at_the_same_rate_decide_however_the_rate_was_computed
     assert r.winner is c and r.ratio(c).format() == "> 1x"
 
 
-def test_a_candidate_not_shown_near_its_knee_steps_as_far_as_its_first_rate_was_placed() -> None:
+def test_a_candidate_not_shown_near_its_knee_steps_to_the_middle_toward_the_defaults_ceiling() -> None:
     """A candidate at 93 % at its first rate, its next round unable to show it served, attains 95 % a step lower (too
-    few blocks to show it) and all its requests two steps lower. With the default's searched ceiling far below, the
-    second rate is placed as the first was (two steps down here), where the candidate is shown to serve a rate the
+    few blocks to show it). With the default's searched ceiling far below, the second rate is the geometric middle
+    of the first and that ceiling, where the candidate attains all its requests and is shown to serve a rate the
     default misses: a one-step rule leaves it undecided and the default config would be written. The default is not
     yet shown to miss below the candidate's first rate, so only the searched ceiling can place the step."""
     shares = {"default": {round(1.5 * 1.15, 6): 0.89, -1.0: 0.5},  # undecided at its own ceiling, near its knee
@@ -168,7 +169,7 @@ def test_a_candidate_not_shown_near_its_knee_steps_as_far_as_its_first_rate_was_
     c = Contender("candidate 1", {}, 4.6, next_rate=4.0)
     r = paired_verdict(d, [c], measure_at, max_rounds=2, budget_s=math.inf, step=1.15)
     rates = sorted({rate for name, rate, _ in seen if name == "candidate 1"}, reverse=True)
-    assert rates == [4.0, round(4.0 / 1.15 ** 2, 6)]
+    assert rates == [4.0, round(math.sqrt(4.0 * 1.5), 6)]
     assert r.winner is c and r.outcome(c) == "better"
 
 
@@ -185,3 +186,46 @@ def test_a_candidate_not_shown_goes_straight_to_the_rate_the_default_is_shown_to
     rates = sorted({rate for name, rate, _ in seen if name == "candidate 1"}, reverse=True)
     assert rates == [7.0, ceiling]  # not 7.0 / 1.15 ** 2, where it attains 88 %
     assert r.winner is c and r.ratio(c).low == pytest.approx(1.0)
+
+
+def test_a_winner_shown_at_the_defaults_missed_rate_climbs_toward_its_knee_while_rounds_are_left() -> None:
+    """Shown better at the rate where the default misses (far below its knee), the winner climbs: each climb the
+    geometric middle of its highest rate shown served and the lowest above it not shown served, each started once
+    the one below was shown served. Its shown capacity rises from 1.73 to 4.93 req/s; the headline stays paired."""
+    ceiling = round(1.5 * 1.15, 6)
+    shares = {"default": {-1.0: 0.5}, "candidate 1": {7.0: 0.88, -1.0: 1.0}}
+    seen, measure_at = fixed_world(shares)
+    d = Contender("default", {}, 1.3, search_high=1.5)
+    c = Contender("candidate 1", {}, 9.0, next_rate=7.0)
+    r = paired_verdict(d, [c], measure_at, max_rounds=4, budget_s=math.inf, step=1.15)
+    first_climb = round(math.sqrt(ceiling * 7.0), 6)
+    second_climb = round(math.sqrt(first_climb * 7.0), 6)
+    rates = [rate for name, rate, _ in seen if name == "candidate 1"]
+    assert rates == [7.0, ceiling, first_climb, second_climb]
+    assert r.winner is c and c.shown().low == pytest.approx(second_climb)
+    assert [p.served_only for p in sorted(c.pools.values(), key=lambda p: p.rate)] == [False, True, True, False]
+    # the climbs ran alone: the default was measured beside the candidate's first two rates and at its ceiling only
+    assert sorted({rate for name, rate, _ in seen if name == "default"}) == [ceiling, 7.0]
+    assert r.ratio(c).low == pytest.approx(second_climb / ceiling)
+    assert "climbed to 3.47, 4.93 req/s (shown served to 4.93)" in r.stopped
+    line = verdict_line(r, "p99 TBT <= 50ms")
+    # the headline: the one rate measured for both on the same arrivals
+    assert line.startswith("tuned serves 4.93 req/s") and "at 7 req/s on the same arrivals it attains 88.0%" in line
+
+
+def test_a_climb_not_shown_served_ends_the_climbing_and_claims_no_miss() -> None:
+    """A climb is a claim of "served" only: at a rate where the winner attains 50 % its pool reads undecided (the
+    budget covers no "missed" there), its shown bracket keeps its ends, and no further climb starts."""
+    ceiling = round(1.5 * 1.15, 6)
+    climb = round(math.sqrt(ceiling * 7.0), 6)
+    shares = {"default": {-1.0: 0.5}, "candidate 1": {7.0: 0.88, climb: 0.5, -1.0: 1.0}}
+    seen, measure_at = fixed_world(shares)
+    d = Contender("default", {}, 1.3, search_high=1.5)
+    c = Contender("candidate 1", {}, 9.0, next_rate=7.0)
+    r = paired_verdict(d, [c], measure_at, max_rounds=4, budget_s=math.inf, step=1.15)
+    assert [rate for name, rate, _ in seen if name == "candidate 1"] == [7.0, ceiling, climb]
+    pool = next(p for p in c.pools.values() if p.served_only)
+    assert pool.rate == pytest.approx(climb) and pool.verdict() == "undecided" and pool.attainment().high < 0.9
+    assert c.shown().low == pytest.approx(ceiling) and c.shown().high != pytest.approx(climb)
+    assert r.winner is c and c.next_rate is None and "shown better after 3 rounds" in r.stopped
+    assert r.as_dict()["candidates"][0]["pools"][1]["climb"] is True

@@ -37,8 +37,9 @@ from tuner.search.trial_record import TrialRecord, capacity_prediction, simulato
 from tuner.trials import arrangement
 from tuner.trials.engine_handle import ConfigRejected, EngineError
 from tuner.trials.trial_runner import TrialRunner
-from tuner.measure.verdict import DEFAULT, Contender, Sample, VerdictResult, first_rate, paired_verdict, pool_levels
+from tuner.measure.verdict import DEFAULT, Contender, Sample, VerdictResult, pool_levels
 from tuner.measure.verdict_report import capacity_section, verdict_line
+from tuner.measure.verdict_rounds import first_rate, paired_verdict
 from tuner.measure.verdict_plan import VerdictPlan, sample_of
 
 if TYPE_CHECKING:

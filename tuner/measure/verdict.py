@@ -17,9 +17,17 @@ default; each side gets half of 1 - level, spread (Bonferroni) over every rate i
 every round costs nothing. The searches' probes are not pooled in (they ran in windows from an idle engine, the
 verdict in sustained ones, and the candidates were picked for how their searches went).
 
-**Where it measures.** Each round, on a fresh arrival draw shared by every config: the candidate at its planned rate
-(:func:`first_rate`, then :func:`plan_next`: two rates at most), the default at the same rate on the same arrivals
-(paired), and the default at its own ceiling (:func:`ceiling_rate`), where a miss gives the ratio a multiple.
+**Where it measures** (tuner/measure/verdict_rounds.py). Each round, on a fresh arrival draw shared by every config:
+the candidate at its planned rate (its first rate, then one step down at most: two rates), the default at the same
+rate on the same arrivals (paired), and the default at its own ceiling, where a miss gives the ratio a multiple.
+
+**The winner climbs.** A candidate shown better was often shown served far below its knee (at the rate where the
+default misses, where a serve decides). While rounds are left it climbs toward the lowest rate above that it was not
+shown to serve: each climb a new pool at the same level, started only once the rate below it was shown served. Its
+"serves" cost no further error rate: the climbs go up, so the first wrong "serves" among them and the pool they
+climbed from is at the first of their rates that the candidate does not serve (below it every claim is true, and no
+climb above it starts unless it claimed), one pool judged at that pool's share. A climb's "missed" is not covered by
+that argument and is not claimed (:attr:`Pool.served_only`): it ends the climbing.
 
 **What it reports.** The headline is paired attainment at the candidate's rate: the two configs on the same arrivals,
 block by block, the confidence sequence of their difference (:meth:`VerdictResult.paired_difference`). Beside it
@@ -31,9 +39,8 @@ over the default's shown-served rate; an end that was not shown stays open.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from tuner.measure.capacity import Ratio, Shown
 from tuner.measure.dependence import Block, attainment_interval, paired_difference_interval
@@ -42,7 +49,8 @@ from tuner.measure.statistics import DEFAULT_LEVEL, Interval, Verdict, lower_ver
 
 DEFAULT = "default"
 Outcome = Literal["better", "not better", "undecided"]
-RATES_PER_CANDIDATE = 2  # a candidate is judged at its first rate and at most one step below it
+RATES_PER_CANDIDATE = 2  # a candidate is judged at its first rate and at most one step below it (a winner's climbs
+# claim on the share of the pool they climb from: tuner/measure/verdict_rounds.py)
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,7 @@ class Pool:
     rate: float
     level: float = DEFAULT_LEVEL
     samples: list[Sample] = field(default_factory=list)
+    served_only: bool = False  # a winner's climb: only its "served" is a claim (its "missed" reads undecided)
 
     def blocks(self) -> tuple[Block, ...]:
         return tuple(b for s in self.samples if s.void is None for b in s.blocks)
@@ -99,8 +108,10 @@ class Pool:
 
     def verdict(self, share: float = TARGET_SHARE) -> Verdict:
         if self.failed:
-            return "missed"
-        return lower_verdict(self.attainment(share), share) if self.requests else "undecided"
+            v: Verdict = "missed"
+        else:
+            v = lower_verdict(self.attainment(share), share) if self.requests else "undecided"
+        return "undecided" if self.served_only and v == "missed" else v
 
     def within_reach(self, wanted: Verdict, more_blocks: int, share: float = TARGET_SHARE) -> bool:
         """Whether ``more_blocks`` further blocks, at a moderately optimistic reading of those so far, would bring
@@ -110,7 +121,7 @@ class Pool:
 
     def as_dict(self) -> dict[str, Any]:
         return {"rate": self.rate, "requests": self.requests, "attaining": self.attaining, "level": self.level,
-                "attainment": self.attainment().as_dict(), "verdict": self.verdict(),
+                "attainment": self.attainment().as_dict(), "verdict": self.verdict(), "climb": self.served_only,
                 "samples": [s.as_dict() for s in self.samples]}
 
 
@@ -130,6 +141,7 @@ class Contender:
     pools: dict[float, Pool] = field(default_factory=dict)
     next_rate: float | None = None
     rounds: int = 0  # rounds it was measured in
+    climbs: set[float] = field(default_factory=set)  # the rates it climbed to once shown better (Pool.served_only)
 
     def __post_init__(self) -> None:
         if self.next_rate is None and not self.is_default:
@@ -144,7 +156,8 @@ class Contender:
 
     def add(self, sample: Sample, level: float) -> Pool:
         """Pool ``sample`` with the others at its rate (every pool judged at ``level``, fixed before the verdict)."""
-        pool = self.pools.setdefault(rate_key(sample.rate), Pool(rate_key(sample.rate), level))
+        key = rate_key(sample.rate)
+        pool = self.pools.setdefault(key, Pool(key, level, served_only=key in self.climbs))
         pool.samples.append(sample)
         return pool
 
@@ -219,6 +232,17 @@ class VerdictResult:
         """Capacity ratio candidate / default from shown bounds (:class:`Ratio`)."""
         return Ratio.of(c.shown(), self.default.shown())
 
+    def headline_rate(self, c: Contender) -> float:
+        """The rate of a candidate's paired headline: the highest it was shown to serve with the default measured
+        beside it on the same arrivals (a climb is not paired), else the highest rate with such a pair, else the
+        highest it was shown to serve, else the rate it is measured at next, else the highest it was measured at."""
+        paired = [(p.verdict() == "met", p.rate) for p in c.pools.values()
+                  if self.paired_difference(c, p.rate) is not None]
+        shown = c.shown().low
+        if paired:
+            return max(paired)[1]
+        return shown if shown > 0 else (c.next_rate or max((p.rate for p in c.pools.values()), default=0.0))
+
     @property
     def best(self) -> Contender | None:
         """The candidate with the highest shown-served rate (then the highest searched capacity)."""
@@ -241,11 +265,10 @@ class VerdictResult:
             if not c.is_default:
                 d["ratio_to_default"] = self.ratio(c).as_dict()
                 d["outcome"] = self.outcome(c)
-                rate = c.next_rate if c.next_rate is not None else c.shown().low
                 diffs = {f"{p.rate:.6g}": iv.as_dict() for p in c.pools.values()
                          if (iv := self.paired_difference(c, p.rate)) is not None}
                 d["paired_difference"] = diffs
-                d["headline_rate"] = rate
+                d["headline_rate"] = self.headline_rate(c)
             return d
 
         return {"level": self.level, "pool_level": {"candidates": self.look(self.candidates[0]) if self.candidates
@@ -253,125 +276,3 @@ class VerdictResult:
                 "max_rounds": self.max_rounds, "stopped": self.stopped,
                 "default": entry(self.default), "candidates": [entry(c) for c in self.candidates],
                 "winner": self.winner.name if self.winner else None, "safest": self.safest.name}
-
-
-# measure(contender, rate, draw) -> the sample of one measurement (sized by the verdict)
-MeasureAt = Callable[[Contender, float, int], Sample]
-
-
-def plan_next(c: Contender, step: float, floor: float, more_blocks: int, default_missed: float = math.inf,
-              default_high: float = math.inf) -> None:
-    """Where candidate ``c`` is measured next round, from its pool at the rate just measured; ``more_blocks``: the
-    blocks another round adds there. It stays while another round may show it served; else it steps down as its
-    first rate was placed below its claim (:func:`first_rate` against the default's searched ``default_high``: a
-    candidate near its knee attains a few points more a step lower, too few to be shown, while the default still
-    misses further down), or straight to ``default_missed`` where the default is already shown missed lower: the
-    candidate need only serve that rate to be better, and serves it most surely (a sustained window's knee can lie
-    far below a search's). None once it is shown served, or when a step would go below ``floor`` or past its
-    :data:`RATES_PER_CANDIDATE` rates."""
-    rate = c.next_rate
-    pool = c.pool(rate) if rate is not None else None
-    if rate is None or pool is None:
-        return
-    v = pool.verdict()
-    if v == "met":
-        c.next_rate = None
-    elif v == "missed" or not pool.within_reach("met", more_blocks):
-        down = first_rate(rate, default_high, step)
-        if default_missed < down * (1 - 1e-9):
-            down = default_missed
-        fits = down >= floor * (1 - 1e-9) and len(c.pools) < RATES_PER_CANDIDATE
-        c.next_rate = down if fits else None
-
-
-def default_rates(result: VerdictResult, step: float) -> list[float]:
-    """Where the default config is measured this round: beside each undecided candidate at its rate (paired on the
-    same arrivals), and at its own searched ceiling (a step above the lowest rate its search read below the target
-    share, when that is below the candidates' rates); at each until its pool there is decided."""
-    d = result.default
-    undecided = [c for c in result.candidates if result.outcome(c) == "undecided" and c.next_rate is not None]
-    rates = [c.next_rate for c in undecided if c.next_rate is not None]
-    own = ceiling_rate(d, step)
-    below = rates + ([result.winner.shown().low] if result.winner is not None else [])
-    if below and own is not None and own < min(below) * (1 - 1e-9):
-        rates.append(own)
-    return sorted(r for r in set(rate_key(r) for r in rates)
-                  if (pool := d.pool(r)) is None or pool.verdict() == "undecided")
-
-
-def ceiling_open(result: VerdictResult, step: float) -> bool:
-    """Whether the default's own ceiling, below the winner's shown-served rate, is still undecided (a miss there
-    would give the ratio a multiple)."""
-    own, w = ceiling_rate(result.default, step), result.winner
-    if own is None or w is None or own >= w.shown().low * (1 - 1e-9):
-        return False
-    pool = result.default.pool(own)
-    return pool is None or pool.verdict() == "undecided"
-
-
-def ceiling_rate(default: Contender, step: float) -> float | None:
-    """The default's own rate in the verdict: a step above the lowest rate its search read below the target share
-    (None: its search read every rate served)."""
-    return rate_key(default.search_high * step) if math.isfinite(default.search_high) else None
-
-
-def first_rate(claim: float, default_high: float, step: float) -> float:
-    """Where a candidate is first measured: one step below its searched capacity (the best of the searched configs
-    on one draw is likely to have been lucky there), or lower, down to two steps, where the geometric middle
-    between it and the default's searched ceiling lies lower: there it attains more surely while the default misses
-    (a 1.3x difference is shown at the middle, not at the candidate's edge)."""
-    middle = math.sqrt(claim * default_high) if math.isfinite(default_high) else 0.0
-    return min(claim / step, max(claim / step ** 2, middle))
-
-
-def paired_verdict(default: Contender, candidates: list[Contender], measure_at: MeasureAt, max_rounds: int = 4,
-                   budget_s: float = 300.0, level: float = DEFAULT_LEVEL, step: float = 1.15, floor: float = 0.0,
-                   first_draw: int = 100, on_round: Callable[[int, VerdictResult], None] | None = None,
-                   clock: Callable[[], float] = time.monotonic,
-                   cost: Callable[[list[tuple[Contender, float]]], float] | None = None) -> VerdictResult:
-    """Rounds on fresh draws (one per round, shared by every config in it; the order alternating) until every
-    candidate's outcome is decided (or one is better and no undecided one could beat it), nothing is left to
-    measure, the rounds run out, or the next round would not fit in what is left of ``budget_s`` (``cost`` of its
-    measurements, else the slowest round so far; the first round always runs). ``floor``: the lowest rate a
-    candidate steps down to. Rounds cost no error rate: at each rate they continue one confidence sequence."""
-    result = VerdictResult(default, candidates, level, max_rounds)
-    started, slowest = clock(), 0.0
-    for r in range(max_rounds):
-        plan = [(default, rate) for rate in default_rates(result, step)]
-        plan += [(c, rate) for c in candidates
-                 if (rate := c.next_rate) is not None and result.outcome(c) == "undecided"]
-        if not plan:
-            result.stopped = f"nothing left to measure could decide, after {r} rounds"
-            return result
-        if r >= 1 and clock() - started + (cost(plan) if cost is not None else slowest) > budget_s:
-            result.stopped = f"time budget ({budget_s:.0f}s) used after {r} rounds"
-            return result
-        t0 = clock()
-        measured: set[str] = set()
-        for c, rate in (plan if r % 2 == 0 else plan[::-1]):
-            sample = measure_at(c, rate, first_draw + r)
-            c.add(sample, result.look(c))
-            if c.name not in measured:
-                c.rounds += 1
-                measured.add(c.name)
-        for c in candidates:
-            pool = c.pool(c.next_rate) if c.next_rate is not None else None
-            last = pool.samples[-1] if pool and pool.samples else None
-            plan_next(c, step, floor, max(1, len(last.blocks) if last else 1), default.shown().high,
-                      default.search_high)
-        slowest = max(slowest, clock() - t0)
-        if on_round is not None:
-            on_round(r + 1, result)
-        w = result.winner
-        if w is not None and not any(result.outcome(c) == "undecided" and c.claim > w.shown().low
-                                     for c in candidates):
-            # the winner is decided; the default's own ceiling may still give the ratio a multiple
-            if not ceiling_open(result, step) or r + 1 >= max_rounds or (
-                    clock() - started + (cost([(default, ceiling_rate(default, step) or 0.0)]) if cost is not None
-                                         else slowest) > budget_s):
-                result.stopped = f"{w.name} shown better after {r + 1} rounds"
-                return result
-    decided = all(result.outcome(c) != "undecided" for c in candidates)
-    rounds = max(c.rounds for c in [default] + candidates)
-    result.stopped = f"decided after {rounds} rounds" if decided else f"{max_rounds} rounds"
-    return result

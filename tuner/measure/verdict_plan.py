@@ -16,7 +16,8 @@ from pathlib import Path
 from policies import Policy
 from tuner.measure.capacity import measurement_spec
 from tuner.measure.measurement import Measurement, MeasurementSpec, measure
-from tuner.measure.verdict import RATES_PER_CANDIDATE, Contender, Sample, ceiling_rate, pool_levels, rate_key
+from tuner.measure.verdict import RATES_PER_CANDIDATE, Contender, Sample, pool_levels, rate_key
+from tuner.measure.verdict_rounds import ceiling_rate
 from tuner.trials.trial_backend import TrialBackend
 
 SHOW_MARGIN = 1.25  # a candidate's window: this many times the blocks that show the share when every block attains

@@ -21,7 +21,7 @@ def verdict_line(result: VerdictResult, slo_text: str) -> str:
     if c is None:
         return f"no candidate reached the verdict within {slo_text}: {d_text} ({result.stopped}; {note})"
     mine = c.shown()
-    rate = headline_rate(c)
+    rate = result.headline_rate(c)
     diff = result.paired_difference(c, rate)
     theirs = result.default.pool(rate)
     paired = ""
@@ -48,7 +48,7 @@ def capacity_section(result: VerdictResult, chosen: Contender) -> dict[str, Any]
         return {"name": c.name, "knobs": c.knobs, "searched_req_per_s": c.claim, "capacity_req_per_s": shown.as_dict(),
                 "output_tokens_per_s": c.tokens_at(shown.low) if shown.low > 0 else None, "rounds": c.rounds,
                 "pools": [{"rate": p.rate, "attaining": p.attaining, "requests": p.requests, "blocks": len(p.blocks()),
-                           "attainment": p.attainment().as_dict(), "verdict": p.verdict()}
+                           "attainment": p.attainment().as_dict(), "verdict": p.verdict(), "climb": p.served_only}
                           for p in sorted(c.pools.values(), key=lambda p: p.rate)]}
 
     tuned = entry(chosen)
@@ -56,9 +56,3 @@ def capacity_section(result: VerdictResult, chosen: Contender) -> dict[str, Any]
         tuned["ratio_to_default"] = result.ratio(chosen).as_dict()
     return {"tuned": tuned, "default": entry(result.default)}
 
-
-def headline_rate(c: Contender) -> float:
-    """The rate of a candidate's paired headline: the highest it was shown to serve, else the rate it would be
-    measured at next, else the highest it was measured at."""
-    shown = c.shown().low
-    return shown if shown > 0 else (c.next_rate or max((p.rate for p in c.pools.values()), default=0.0))
