@@ -1,6 +1,7 @@
 """The paired verdict of the quality benchmark: is tune's answer within 95 % of the best config's capacity? Each
-claim needs both of its pools shown the way it says, the configs alternate within a round, a void measurement counts
-for nothing, and a wrong "met" stays within the stated level when the answer falls just short."""
+claim needs a pair of pools shown the way it says (any answer pool and best pool whose rates order the capacities),
+the configs alternate within a round, a void measurement counts for nothing, and a wrong "met" stays within the
+stated level when the answer falls just short."""
 
 from __future__ import annotations
 
@@ -80,6 +81,15 @@ def test_configs_alternate_which_goes_first_and_a_decided_pool_is_not_measured_a
     assert out["routes"][0]["verdicts"] == ["met", "met"]  # the best served its searched missed rate
     assert calls[0][0] == "answer" and calls[1][0] == "best"
     assert out["rounds"] == 1  # the claim is dropped once a pool is decided against it
+
+
+def test_a_best_shown_to_miss_the_rate_its_search_served_lets_the_answer_show_met_there() -> None:
+    """The searches left only "missed" possible (the answer searched 6-6.64, the best 7.39-9.05); on the verdict's
+    windows the best misses 7.39 while the answer serves 0.95 x 7.39: the same two pools show "met" instead."""
+    out, calls, _, _ = run(7.5, 7.2, [6.0, 6.64], [7.39, 9.05])
+    assert [r["claim"] for r in out["routes"]] == ["missed"]
+    assert out["verdict"] == "met" and out["rounds"] == 1 and len(calls) == 2
+    assert out["shown_by"] == [{"claim": "met", "answer_rate": pytest.approx(SHARE * 7.39), "best_rate": 7.39}]
 
 
 def test_a_void_measurement_is_no_evidence() -> None:
