@@ -161,8 +161,8 @@ def paired_verdict(answer: Contender, best: Contender, asked: list[Route], measu
         rounds += 1
         todo: list[tuple[Contender, float]] = []
         for q in open_pairs:
-            for c, rate, got in ((answer, q.answer_rate, q.verdicts(answer, best)[0]),
-                                 (best, q.best_rate, q.verdicts(answer, best)[1])):
+            got_a, got_b = q.verdicts(answer, best)
+            for c, rate, got in ((answer, q.answer_rate, got_a), (best, q.best_rate, got_b)):
                 if got == "undecided" and not any(c is t and rate == r for t, r in todo):
                     todo.append((c, rate))
         first = answer if i % 2 == 0 else best
@@ -193,11 +193,12 @@ def run_verdict(d: Design, answer_row: dict[str, Any], best_row: dict[str, Any],
     answer = Contender("answer", answer_row["knobs"], answer_row["req_per_s"])
     best = Contender("best", best_row["knobs"], best_row["req_per_s"])
     asked = routes(answer_row["bracket"], best_row["bracket"])
+    every = pairs(asked)
 
     def serving(c: Contender, rate: float) -> bool:
         """Whether an open pair wants the pool shown served (its window sized for that, else for a miss)."""
         return any(q.possible(answer, best) and (q.answer_rate if c is answer else q.best_rate) == rate
-                   and q.wanted()[0 if c is answer else 1] == "met" for q in pairs(asked))
+                   and q.wanted()[0 if c is answer else 1] == "met" for q in every)
 
     def measure_at(c: Contender, rate: float, draw: int) -> Any:
         folder = d.folder / "verdict" / f"draw-{draw}" / c.name / f"rate-{rate:.4g}"
