@@ -10,7 +10,7 @@ import pytest
 
 from tuner.measure.dependence import block_counts
 from tuner.measure.capacity import Ratio
-from tuner.measure.verdict import RATES_PER_CANDIDATE, Contender, Sample, pool_levels
+from tuner.measure.verdict import RATES_PER_CANDIDATE, Contender, Sample, VerdictResult, pool_levels
 from tuner.measure.verdict_report import verdict_line
 from tuner.measure.verdict_rounds import paired_verdict
 
@@ -67,6 +67,31 @@ def test_a_default_never_shown_to_miss_gives_no_winner_and_no_multiple() -> None
     assert "against the default's 89.0%" in line
 
 
+def test_with_nothing_shown_served_the_candidate_shown_to_attain_more_is_written_without_a_capacity_claim() -> None:
+    """Neither config shown to serve a rate (the candidate at 85 %, the default at 50 % on the same arrivals): the
+    safest is the candidate whose gain on the same arrivals is shown, and the line says it is a choice, not a
+    claim. A gain shown below zero, or a config shown to serve a rate, keeps the former rule."""
+    def one_round(shares: dict[str, dict[float, float]],
+                  search_high: float = math.inf) -> tuple[VerdictResult, Contender]:
+        _, measure_at = fixed_world(shares)
+        d = Contender("default", {}, 1.0, search_high=search_high)
+        c = Contender("candidate 1", {}, 4.0, next_rate=3.5)
+        return paired_verdict(d, [c], measure_at, max_rounds=1, budget_s=math.inf, step=1.15), c
+
+    r, c = one_round({"default": {-1.0: 0.5}, "candidate 1": {-1.0: 0.85}})
+    assert r.winner is None and c.shown().low == 0 and r.default.shown().low == 0
+    assert r.shown_gain(c) is not None and r.shown_gain(c) > 0.2 and r.safest is c
+    line = verdict_line(r, "p99 TBT <= 50ms")
+    assert line.startswith("no config was shown to serve more than the default")
+    assert "safest: candidate 1 (nothing shown served; it attains more than the default on the same arrivals: a " \
+           "choice, not a capacity claim)" in line
+    r, c = one_round({"default": {-1.0: 0.95}, "candidate 1": {-1.0: 0.85}})  # shown to attain less
+    assert r.shown_gain(c) is None and r.safest is r.default
+    # the default shown to serve its own ceiling: a rate shown served outranks a gain
+    r, c = one_round({"default": {round(1.2 * 1.15, 6): 1.0, -1.0: 0.5}, "candidate 1": {-1.0: 0.85}}, 1.2)
+    assert r.default.shown().low > 0 and r.safest is r.default
+
+
 def test_a_claim_that_does_not_hold_on_fresh_draws_steps_down_once_and_no_further() -> None:
     shares = {"default": {-1.0: 0.3}, "candidate 1": {round(4.0, 6): 0.6, -1.0: 0.6}}
     seen, measure_at = fixed_world(shares)
@@ -111,6 +136,42 @@ def test_the_verdict_stops_when_the_next_round_would_exceed_the_budget() -> None
     c = Contender("candidate 1", {}, 2.0)
     r = paired_verdict(d, [c], slow, max_rounds=10, budget_s=150.0, clock=lambda: t[0])
     assert "time budget" in r.stopped and t[0] <= 150.0 + 100.0  # never a round started that could not fit
+
+
+def test_a_round_that_does_not_fit_whole_steps_the_candidate_down_without_the_defaults_ceiling() -> None:
+    """A candidate not shown at its first rate, the budget short of a whole second round (the default at its own
+    ceiling, undecided, included): the second round runs without that ceiling, which decides no candidate's outcome,
+    and the candidate is shown better where it steps down. With a budget that holds the whole round, the ceiling is
+    measured again. (On the engine, with the ceiling in every round, a run stopped after one round with five of
+    its 22 minutes unused and wrote the default.)"""
+    ceiling = round(1.54 * 1.15, 6)
+    first = round(3.864, 6)
+    second = round(math.sqrt(first * 1.54), 6)
+    seconds = {"candidate": 180.0, "beside": 90.0, "ceiling": 60.0}
+
+    def kind(c: Contender, rate: float) -> str:
+        return "candidate" if not c.is_default else "ceiling" if round(rate, 6) == ceiling else "beside"
+
+    def run(budget_s: float) -> tuple[list[tuple[str, float, int]], Contender, object]:
+        t = [0.0]
+        seen, inner = fixed_world({"default": {ceiling: 0.9, -1.0: 0.5},
+                                   "candidate 1": {first: 0.8, second: 1.0, -1.0: 0.8}})
+
+        def timed(c: Contender, rate: float, draw: int) -> Sample:
+            t[0] += seconds[kind(c, rate)]
+            return inner(c, rate, draw)  # type: ignore[operator]
+
+        d = Contender("default", {}, 1.41, search_high=1.54)
+        c = Contender("candidate 1", {}, 5.11, next_rate=first)
+        r = paired_verdict(d, [c], timed, max_rounds=4, budget_s=budget_s, step=1.15, clock=lambda: t[0],
+                           cost=lambda plan: sum(seconds[kind(c, rate)] for c, rate in plan))
+        return seen, c, r
+
+    seen, c, r = run(655.0)  # round 1 took 330 s: a whole second round (330 s) does not fit, one without it does
+    assert sorted(x for x in seen if x[2] == 101) == [("candidate 1", second, 101), ("default", second, 101)]
+    assert r.winner is c and c.shown().low == pytest.approx(second) and "shown better after 2 rounds" in r.stopped
+    seen, c, r = run(700.0)
+    assert ("default", ceiling, 101) in seen and r.winner is c
 
 
 def test_a_void_measurement_is_no_evidence_and_a_failed_config_misses() -> None:

@@ -4,7 +4,8 @@ searches of the configs that matter (the study's trials), the paired verdict, an
 
 A config written as tuned has held: the verdict showed it to serve a rate at or above one where the default was
 shown to miss (tuner/measure/verdict.py). When no candidate did, tuned.yaml holds the safest config (the highest
-rate shown served on the verdict's draws, the default on ties) and says that nothing was shown to serve more.
+rate shown served on the verdict's draws, the default on ties; where nothing was shown served, the candidate shown
+to attain more than the default on the same arrivals) and says that nothing was shown to serve more.
 """
 
 from __future__ import annotations
@@ -320,10 +321,14 @@ class CapacityRun:
             say(f"{PROG}: {w.name}: searched capacity {w.claim:.3g} req/s on one draw, {w.shown().low:.3g} "
                 f"req/s shown served on fresh draws")
             return w, True
+        safest = result.safest
         for c in result.candidates:
-            if c.shown().low <= 0:
+            if c.shown().low <= 0 and c is safest:
+                say(f"{PROG}: {c.name} was not shown to serve any rate on fresh draws, nor was any config; it is "
+                    f"written for attaining more than the default on the same arrivals (not a capacity claim)")
+            elif c.shown().low <= 0:
                 say(f"{PROG}: {c.name} was not shown to serve any rate on fresh draws: not written as tuned")
-        return result.safest, False
+        return safest, False
 
     def write(self, result: VerdictResult, chosen: Contender, held: bool) -> int:
         p, s = self.p, self.s

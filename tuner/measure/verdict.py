@@ -256,8 +256,24 @@ class VerdictResult:
 
     @property
     def safest(self) -> Contender:
-        """No winner: the config with the highest rate shown served on the verdict's draws (the default on ties)."""
-        return max([self.default] + self.candidates, key=lambda c: (c.shown().low, c is self.default))
+        """No winner: the config with the highest rate shown served on the verdict's draws (the default on ties); where
+        none was shown to serve a rate, the candidate shown to attain more than the default on the same arrivals
+        (:meth:`shown_gain`, the largest), else the default. The last is a choice, not a claim: a gain at the rates
+        measured does not order capacities (the curves may cross), and the verdict line says which it is."""
+        top = max([self.default] + self.candidates, key=lambda c: (c.shown().low, c is self.default))
+        if top.shown().low > 0:
+            return top
+        gains = [(gain, c) for c in self.candidates if (gain := self.shown_gain(c)) is not None]
+        return max(gains, key=lambda g: g[0])[1] if gains else self.default
+
+    def shown_gain(self, c: Contender) -> float | None:
+        """The largest lower bound of ``c``'s paired differences against the default, where one is above zero and
+        none is below (None otherwise)."""
+        diffs = [iv for p in c.pools.values() if (iv := self.paired_difference(c, p.rate)) is not None]
+        if not diffs or any(iv.high < 0 for iv in diffs):
+            return None
+        low = max(iv.low for iv in diffs)
+        return low if low > 0 else None
 
     def as_dict(self) -> dict[str, Any]:
         def entry(c: Contender) -> dict[str, Any]:

@@ -35,8 +35,11 @@ def verdict_line(result: VerdictResult, slo_text: str) -> str:
         return (f"tuned serves {mine.low:.3g} req/s within {slo_text} ({mine.format()}), {ratio.format()} the "
                 f"default's capacity{paired}; {d_text} ({note})")
     served = f"serves {mine.low:.3g} req/s" if mine.low > 0 else "was not shown to serve a rate"
+    safest = result.safest
+    why = (" (nothing shown served; it attains more than the default on the same arrivals: a choice, not a "
+           "capacity claim)" if not safest.is_default and safest.shown().low <= 0 else "")
     return (f"no config was shown to serve more than the default within {slo_text}: best candidate {served} "
-            f"({mine.format()}, {result.outcome(c)}){paired}; {d_text}; safest: {result.safest.name} "
+            f"({mine.format()}, {result.outcome(c)}){paired}; {d_text}; safest: {safest.name}{why} "
             f"({result.stopped}; {note})")
 
 

@@ -131,6 +131,14 @@ def first_rate(claim: float, default_high: float, step: float) -> float:
     return min(claim / step, max(claim / step ** 2, middle))
 
 
+def beside_only(plan: list[tuple[Contender, float]]) -> list[tuple[Contender, float]]:
+    """A round's measurements without the default's at its own ceiling, for a round that does not fit whole: that
+    one decides no candidate's outcome (it gives the ratio a multiple, or a lower rate to step down to), while a
+    candidate's step down or climb, and the default beside it, do."""
+    beside = {rate_key(rate) for c, rate in plan if not c.is_default}
+    return [(c, rate) for c, rate in plan if not c.is_default or rate_key(rate) in beside]
+
+
 def paired_verdict(default: Contender, candidates: list[Contender], measure_at: MeasureAt, max_rounds: int = 4,
                    budget_s: float = 300.0, level: float = DEFAULT_LEVEL, step: float = 1.15, floor: float = 0.0,
                    first_draw: int = 100, on_round: Callable[[int, VerdictResult], None] | None = None,
@@ -139,10 +147,15 @@ def paired_verdict(default: Contender, candidates: list[Contender], measure_at: 
     """Rounds on fresh draws (one per round, shared by every config in it; the order alternating) until every
     candidate's outcome is decided (or one is better and no undecided one could beat it), nothing is left to
     measure, the rounds run out, or the next round would not fit in what is left of ``budget_s`` (``cost`` of its
-    measurements, else the slowest round so far; the first round always runs). ``floor``: the lowest rate a
+    measurements, else the slowest round so far; the first round always runs; a round that does not fit whole runs
+    without the default's own ceiling where the rest fits: :func:`beside_only`). ``floor``: the lowest rate a
     candidate steps down to. Rounds cost no error rate: at each rate they continue one confidence sequence."""
     result = VerdictResult(default, candidates, level, max_rounds)
     started, slowest = clock(), 0.0
+
+    def fits(measurements: list[tuple[Contender, float]], slowest: float) -> bool:
+        return clock() - started + (cost(measurements) if cost is not None else slowest) <= budget_s
+
     for r in range(max_rounds):
         plan = [(default, rate) for rate in default_rates(result, step)]
         plan += [(c, rate) for c in candidates
@@ -150,9 +163,11 @@ def paired_verdict(default: Contender, candidates: list[Contender], measure_at: 
         if not plan:
             result.stopped = f"nothing left to measure could decide, after {r} rounds"
             return result
-        if r >= 1 and clock() - started + (cost(plan) if cost is not None else slowest) > budget_s:
-            result.stopped = f"time budget ({budget_s:.0f}s) used after {r} rounds"
-            return result
+        if r >= 1 and not fits(plan, slowest):
+            plan = beside_only(plan)
+            if not plan or not fits(plan, slowest):
+                result.stopped = f"time budget ({budget_s:.0f}s) used after {r} rounds"
+                return result
         t0 = clock()
         measured: set[str] = set()
         for c, rate in (plan if r % 2 == 0 else plan[::-1]):
@@ -178,8 +193,8 @@ def paired_verdict(default: Contender, candidates: list[Contender], measure_at: 
             # the winner is decided; it may climb, and the default's own ceiling may still give the ratio a multiple
             left = ([(default, ceiling_rate(default, step) or 0.0)] if ceiling_open(result, step) else []) + \
                 ([(w, w.next_rate)] if w.next_rate is not None else [])
-            if not left or r + 1 >= max_rounds or (
-                    clock() - started + (cost(left) if cost is not None else slowest) > budget_s):
+            trimmed = beside_only(left)
+            if not left or r + 1 >= max_rounds or not (fits(left, slowest) or (trimmed and fits(trimmed, slowest))):
                 result.stopped = f"{w.name} shown better after {r + 1} rounds" + climbed(w)
                 return result
     decided = all(result.outcome(c) != "undecided" for c in candidates)
