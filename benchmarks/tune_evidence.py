@@ -75,10 +75,11 @@ def run_tune(folder: Path, extra: list[str]) -> dict[str, Any]:
     folder.mkdir(parents=True)
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "tuner.commands.tune", "--slo-p99-tbt", "50ms", "--out", "tuned.yaml",
-                           "--storage", "sqlite:///study.db", *extra], cwd=folder, capture_output=True, text=True)
-    (folder / "tune.log").write_text(proc.stdout + proc.stderr)
-    out: dict[str, Any] = {"rc": proc.returncode, "seconds": time.monotonic() - t0,
-                           "last_line": (proc.stdout.strip().splitlines() or [""])[-1]}
+                           "--storage", "sqlite:///study.db", *extra], cwd=folder, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)  # one log, in the order tune said it
+    (folder / "tune.log").write_text(proc.stdout)
+    said = [line for line in proc.stdout.strip().splitlines() if not line.startswith("tune: warning:")]
+    out: dict[str, Any] = {"rc": proc.returncode, "seconds": time.monotonic() - t0, "last_line": (said or [""])[-1]}
     return out | read_run(folder)
 
 

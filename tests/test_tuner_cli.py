@@ -205,6 +205,30 @@ def test_a_long_measurement_shows_a_live_line_on_a_terminal_and_nothing_in_a_log
     assert log.getvalue() == "done\n"
 
 
+def test_a_warning_during_tune_is_one_of_its_own_lines_where_it_happened() -> None:
+    """The simulator's step shapes leaving its profile: a `tune: warning:` line among tune's, not Python's file name,
+    line number and source line; outside tune, warnings show as before."""
+    import io
+    import warnings
+
+    from tuner.commands.progress import say, warning_lines
+    from tuner.simulation.profiles import profile_path
+    from tuner.simulation.step_time_model import StepTimeModel
+
+    model = StepTimeModel.load(profile_path(None))
+    top = model.ranges["num_seqs"][1]
+    err = io.StringIO()
+    shown_before = warnings.showwarning
+    with warning_lines(err):
+        say("tune: screening ...", stream=err)
+        model.check_range({"num_seqs": (1, top + 2)})
+        say("tune: screened", stream=err)
+    lines = err.getvalue().splitlines()
+    assert lines[0] == "tune: screening ..." and lines[2] == "tune: screened", lines
+    assert lines[1].startswith("tune: warning: step-time model: num_seqs 1..") and "leaves the profiled range" in lines[1]
+    assert ".py" not in err.getvalue() and warnings.showwarning is shown_before
+
+
 def test_a_long_measurement_writes_its_progress_where_the_dashboard_reads_it(tmp_path: Path) -> None:
     import io
     import json

@@ -5,10 +5,13 @@ alone: the live line is drawn only where it can be redrawn in place. The same pr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -30,6 +33,19 @@ def say(text: str, stream: TextIO | None = None) -> None:
     """One of tune's lines (over the live line, where one is drawn)."""
     out = stream or sys.stdout
     print((_CLEAR if _live(out) else "") + text, file=out, flush=True)
+
+
+@contextlib.contextmanager
+def warning_lines(stream: TextIO | None = None) -> Iterator[None]:
+    """Within it, a warning (the simulator's step shapes leaving the profile, say) is one of tune's own lines on
+    stderr, ``tune: warning: ...``, where it happened, not Python's file, line number and source line."""
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:
+        say(f"{PROG}: warning: {message}", stream or sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 def probe_line(m: Measurement) -> None:

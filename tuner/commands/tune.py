@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 from policies import OBJECTIVES, SAMPLERS, Policy, PolicyError, load_policy
 from tuner.commands.engines import add_engine_flags, check_engine_args, check_policy, checked_knobs, server_kind
 from tuner.commands.flags import CliError, check_workload, duration_arg
-from tuner.commands.progress import PROG
+from tuner.commands.progress import PROG, warning_lines
 
 
 NO_TARGET = -1.0  # --slo-p99-ttft none: drop the policy's target
@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     from tuner.commands.session import TuneSession  # optuna, scipy: heavy, not for --help or a flag error
     session = TuneSession(args, policy, storage, token, kind)
     try:
-        return session.run()
+        with warning_lines():
+            return session.run()
     except KeyboardInterrupt:
         print(f"\n{PROG}: interrupted; finished trials are kept in the study "
               f"{session.study_name!r} (rerun the same command to resume)", file=sys.stderr)
