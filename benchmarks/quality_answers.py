@@ -16,10 +16,12 @@ claims, each shown by a pair of pools of measurements (tuner/measure/verdict.py:
   - met: the answer shown to serve a and the best shown to miss b, with a >= SHARE x b: then the answer's capacity
     is at least a, above SHARE x the best's;
   - missed: the answer shown to miss a and the best shown to serve b, with a <= SHARE x b.
-The pools are those of the routes the side-by-side searches leave possible: "met" at r, the best's searched missed
-rate (the answer at SHARE x r, the best at r), and "missed" at r, the best's searched served rate; any answer pool and
-best pool among them may then show either claim (a best shown to miss the rate its search served, beside an answer
-shown to serve SHARE of it, shows "met").
+The pools are those of the routes the side-by-side searches leave possible (the answer at SHARE x r, the best at r):
+"met" at r from the best's searched missed rate up to the answer's searched served rate over SHARE, "missed" at r from
+the answer's searched missed rate over SHARE up to the best's searched served rate, each at the geometric middle of
+that room, off both configs' edges (at the best's own edge where there is none); any answer pool and best pool among
+them may then show either claim (a best shown to miss the rate its search served, beside an answer shown to serve
+SHARE of it, shows "met"). `verdict` on runs an `answers` run judged already takes fresh draws (REVERDICT_DRAW).
 Each measurement is the searches' own (windows of the policy's trial duration in turn, each from an idle engine: the
 capacity the design's table holds; a sustained window's capacity is lower, and its rates are not the brackets'),
 as many windows as show the share served at the pool's level (half as many to show it missed), stopped once decided.
@@ -66,6 +68,7 @@ ANSWER_SEEDS = (61, 62, 63, 64, 65, 66, 67, 68, 69)
 SHARE = 0.95  # the answer is good enough when it serves this share of the best's capacity
 LEVEL = 0.95
 VERDICT_DRAW = 1700  # round i on arrival draw VERDICT_DRAW + i (tune's runs use draws below 1400, the design 1500+)
+REVERDICT_DRAW = 1800  # `verdict` again on runs an `answers` run judged already: fresh draws, not the first verdict's
 DEV_DRAW = 9000  # the simulated check's draws (never the evaluation's)
 MAX_ROUNDS = 2
 POOL_LEVEL = pool_level(LEVEL, 2)  # a wrong verdict needs one wrong pool of four: each pool's one-sided error 1.25 %
@@ -131,14 +134,20 @@ def pairs(asked: list[Route]) -> list[Pair]:
 
 def routes(answer_bracket: list[float | None], best_bracket: list[float | None]) -> list[Route]:
     """The claims the side-by-side searches leave possible: met where the best missed a rate whose SHARE the answer's
-    search did not miss below; missed where the best served a rate whose SHARE the answer's search did not serve."""
+    search did not miss below; missed where the best served a rate whose SHARE the answer's search did not serve.
+    Where the searches leave room, a claim's rate sits in the middle of it, off both configs' edges: "met" between
+    the best's missed rate and the answer's served one over SHARE, "missed" between the answer's missed rate over
+    SHARE and the best's served one (the geometric middle). At the best's own edge, a claim fails on the search's
+    luck alone: one answer at 0.21 of the best went undecided, the best at 78-92 % at the rate its search served."""
     a_lo, a_hi = float(answer_bracket[0] or 0.0), answer_bracket[1]
     b_lo, b_hi = float(best_bracket[0] or 0.0), best_bracket[1]
     out = []
     if b_hi is not None and (a_hi is None or a_hi > SHARE * b_hi):
-        out.append(Route("met", float(b_hi)))
+        top = a_lo / SHARE  # the answer served SHARE of every rate up to this
+        out.append(Route("met", math.sqrt(b_hi * top) if top > b_hi else float(b_hi)))
     if b_lo > 0 and a_lo < SHARE * b_lo:
-        out.append(Route("missed", b_lo))
+        bottom = a_hi / SHARE if a_hi is not None else math.inf  # the answer missed SHARE of every rate from this
+        out.append(Route("missed", math.sqrt(bottom * b_lo) if bottom < b_lo else b_lo))
     return out
 
 
@@ -297,7 +306,8 @@ def answers(table_path: Path, out: Path, runs_wanted: int, first: int, trace: Pa
 
 
 def verdicts(answers_path: Path, out: Path, simulated: bool, trace: Path | None) -> dict[str, Any]:
-    """The paired verdict alone for each run of an answers JSON that has side-by-side rows, on one fresh engine."""
+    """The paired verdict alone for each run of an answers JSON that has side-by-side rows, on one fresh engine; on
+    REVERDICT_DRAW's draws where the answers run judged them already (VERDICT_DRAW's)."""
     doc = json.loads(answers_path.read_text())
     table_path = REPO / doc["table"]  # as the answers run named it: relative to the repository, or absolute
     table = json.loads(table_path.read_text())
@@ -313,8 +323,10 @@ def verdicts(answers_path: Path, out: Path, simulated: bool, trace: Path | None)
                 continue
             print(f"seed {run['seed']}: answer {short(rows[0]['knobs'])}, best {short(rows[1]['knobs'])}", flush=True)
             d.folder = out.with_suffix("") / f"seed-{run['seed']}"
-            verdict = run_verdict(d, rows[0], rows[1], DEV_DRAW if simulated else VERDICT_DRAW)
-            result["runs"].append({"seed": run["seed"], "paired_verdict": verdict})
+            judged = run.get("paired_verdict") is not None
+            draw = DEV_DRAW if simulated else REVERDICT_DRAW if judged else VERDICT_DRAW
+            verdict = run_verdict(d, rows[0], rows[1], draw)
+            result["runs"].append({"seed": run["seed"], "first_draw": draw, "paired_verdict": verdict})
             write(out, result)
     finally:
         d.close()

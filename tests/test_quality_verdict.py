@@ -84,12 +84,25 @@ def test_configs_alternate_which_goes_first_and_a_decided_pool_is_not_measured_a
 
 
 def test_a_best_shown_to_miss_the_rate_its_search_served_lets_the_answer_show_met_there() -> None:
-    """The searches left only "missed" possible (the answer searched 6-6.64, the best 7.39-9.05); on the verdict's
-    windows the best misses 7.39 while the answer serves 0.95 x 7.39: the same two pools show "met" instead."""
-    out, calls, _, _ = run(7.5, 7.2, [6.0, 6.64], [7.39, 9.05])
+    """The searches left only "missed" possible, at the best's served rate (the answer searched 6-7.9, the best
+    7.39-9.05); on the verdict's windows the best misses 7.39 while the answer serves 0.95 x 7.39: the same two pools
+    show "met" instead."""
+    out, calls, _, _ = run(7.5, 7.2, [6.0, 7.9], [7.39, 9.05])
     assert [r["claim"] for r in out["routes"]] == ["missed"]
     assert out["verdict"] == "met" and out["rounds"] == 1 and len(calls) == 2
     assert out["shown_by"] == [{"claim": "met", "answer_rate": pytest.approx(SHARE * 7.39), "best_rate": 7.39}]
+
+
+def test_a_far_short_answer_is_shown_missed_in_the_middle_of_the_room_the_searches_leave() -> None:
+    """The answer searched 1.54-1.68 req/s, the best 7.39-9.05, though on fresh draws the best serves only up to 7.2:
+    at the best's searched edge (7.39) the claim would fail on the search's luck; in the middle of the room (the
+    answer's missed rate over 0.95 and the best's served rate) the best serves and the answer misses, surely."""
+    out, calls, answer, best = run(1.6, 7.2, [1.54, 1.68], [7.39, 9.05])
+    middle = (1.68 / SHARE * 7.39) ** 0.5
+    assert [(r["claim"], r["best_rate"]) for r in out["routes"]] == [("missed", pytest.approx(middle))]
+    assert out["verdict"] == "missed" and out["rounds"] == 1
+    assert sorted(calls) == [("answer", pytest.approx(SHARE * middle)), ("best", pytest.approx(middle))]
+    assert out["ratio"]["high"] == pytest.approx(SHARE)
 
 
 def test_a_void_measurement_is_no_evidence() -> None:
