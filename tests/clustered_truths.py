@@ -24,7 +24,9 @@ def _alternating(rng: np.random.Generator, n: int, first: bool, mean_true: float
         mean_a, mean_b = (mean_true, mean_false) if state else (mean_false, mean_true)
         a = rng.geometric(1.0 / max(mean_a, 1.0), pairs)
         b = rng.geometric(1.0 / max(mean_b, 1.0), pairs)
-        lengths = np.column_stack([a, b]).ravel()
+        # a run longer than n ends past the last outcome wanted: capped there, the first n are the same (and a
+        # share near 1 does not build runs of millions to drop them)
+        lengths = np.minimum(np.column_stack([a, b]).ravel(), n)
         states = np.tile([state, not state], pairs)
         out = np.concatenate([out, np.repeat(states, lengths)])
     return out[:n]

@@ -152,10 +152,8 @@ def paired_verdict(default: Contender, candidates: list[Contender], measure_at: 
     candidate steps down to. Rounds cost no error rate: at each rate they continue one confidence sequence."""
     result = VerdictResult(default, candidates, level, max_rounds)
     started, slowest = clock(), 0.0
-
     def fits(measurements: list[tuple[Contender, float]], slowest: float) -> bool:
         return clock() - started + (cost(measurements) if cost is not None else slowest) <= budget_s
-
     for r in range(max_rounds):
         plan = [(default, rate) for rate in default_rates(result, step)]
         plan += [(c, rate) for c in candidates
