@@ -18,7 +18,7 @@ every round costs nothing. The searches' probes are not pooled in (they ran in w
 verdict in sustained ones, and the candidates were picked for how their searches went).
 
 **Where it measures** (tuner/measure/verdict_rounds.py). Each round, on a fresh arrival draw shared by every config:
-the candidate at its planned rate (its first rate, then one step down at most: two rates), the default at the same
+the candidate at its planned rate (its first rate, then once lower at most: two rates), the default at the same
 rate on the same arrivals (paired), and the default at its own ceiling, where a miss gives the ratio a multiple.
 
 **The winner climbs.** A candidate shown better was often shown served far below its knee (at the rate where the
@@ -49,7 +49,7 @@ from tuner.measure.statistics import DEFAULT_LEVEL, Interval, Verdict, lower_ver
 
 DEFAULT = "default"
 Outcome = Literal["better", "not better", "undecided"]
-RATES_PER_CANDIDATE = 2  # a candidate is judged at its first rate and at most one step below it (a winner's climbs
+RATES_PER_CANDIDATE = 2  # a candidate is judged at its first rate and at most one rate below it (a winner's climbs
 # claim on the share of the pool they climb from: tuner/measure/verdict_rounds.py)
 
 

@@ -20,6 +20,7 @@ from tuner.measure.statistics import DEFAULT_LEVEL
 
 # measure(contender, rate, draw) -> the sample of one measurement (sized by the verdict)
 MeasureAt = Callable[[Contender, float, int], Sample]
+Plan = list[tuple[Contender, float]]  # a round's measurements: (config, rate)
 
 
 def plan_next(c: Contender, step: float, floor: float, more_blocks: int, default_missed: float = math.inf,
@@ -62,7 +63,8 @@ def plan_climb(c: Contender, step: float, more_blocks: int) -> None:
     else at the next climb (:func:`climb_rate`), its pool judged at the candidates' level and claiming "served" only;
     None when the climbing is over."""
     pool = c.pool(c.next_rate) if c.next_rate is not None else None
-    if pool is not None and pool.served_only and pool.verdict() == "undecided" and pool.within_reach("met", more_blocks):
+    if (pool is not None and pool.served_only and pool.verdict() == "undecided"
+            and pool.within_reach("met", more_blocks)):
         return
     c.next_rate = climb_rate(c, step)
     if c.next_rate is not None:
@@ -96,8 +98,7 @@ def default_rates(result: VerdictResult, step: float) -> list[float]:
     same arrivals), and at its own searched ceiling (a step above the lowest rate its search read below the target
     share, when that is below the candidates' rates); at each until its pool there is decided."""
     d = result.default
-    undecided = [c for c in result.candidates if result.outcome(c) == "undecided" and c.next_rate is not None]
-    rates = [c.next_rate for c in undecided if c.next_rate is not None]
+    rates = [c.next_rate for c in result.candidates if result.outcome(c) == "undecided" and c.next_rate is not None]
     own = ceiling_rate(d, step)
     below = rates + ([result.winner.shown().low] if result.winner is not None else [])
     if below and own is not None and own < min(below) * (1 - 1e-9):
@@ -131,29 +132,31 @@ def first_rate(claim: float, default_high: float, step: float) -> float:
     return min(claim / step, max(claim / step ** 2, middle))
 
 
-def beside_only(plan: list[tuple[Contender, float]]) -> list[tuple[Contender, float]]:
-    """A round's measurements without the default's at its own ceiling, for a round that does not fit whole: that
-    one decides no candidate's outcome (it gives the ratio a multiple, or a lower rate to step down to), while a
-    candidate's step down or climb, and the default beside it, do."""
+def what_fits(plan: Plan, left_s: float, cost: Callable[[Plan], float] | None, slowest: float) -> Plan:
+    """The measurements of a round that fit in ``left_s`` (``cost`` of them, else ``slowest``, the slowest round so
+    far): all of them, else all but the default's at its own ceiling, else none. That one decides no candidate's
+    outcome (it gives the ratio a multiple, or a lower rate to step down to), while a candidate's step down or climb,
+    and the default beside it, do."""
     beside = {rate_key(rate) for c, rate in plan if not c.is_default}
-    return [(c, rate) for c, rate in plan if not c.is_default or rate_key(rate) in beside]
+    for measurements in (plan, [(c, rate) for c, rate in plan if not c.is_default or rate_key(rate) in beside]):
+        if measurements and (cost(measurements) if cost is not None else slowest) <= left_s:
+            return measurements
+    return []
 
 
 def paired_verdict(default: Contender, candidates: list[Contender], measure_at: MeasureAt, max_rounds: int = 4,
                    budget_s: float = 300.0, level: float = DEFAULT_LEVEL, step: float = 1.15, floor: float = 0.0,
                    first_draw: int = 100, on_round: Callable[[int, VerdictResult], None] | None = None,
                    clock: Callable[[], float] = time.monotonic,
-                   cost: Callable[[list[tuple[Contender, float]]], float] | None = None) -> VerdictResult:
+                   cost: Callable[[Plan], float] | None = None) -> VerdictResult:
     """Rounds on fresh draws (one per round, shared by every config in it; the order alternating) until every
     candidate's outcome is decided (or one is better and no undecided one could beat it), nothing is left to
     measure, the rounds run out, or the next round would not fit in what is left of ``budget_s`` (``cost`` of its
     measurements, else the slowest round so far; the first round always runs; a round that does not fit whole runs
-    without the default's own ceiling where the rest fits: :func:`beside_only`). ``floor``: the lowest rate a
+    without the default's own ceiling where the rest fits: :func:`what_fits`). ``floor``: the lowest rate a
     candidate steps down to. Rounds cost no error rate: at each rate they continue one confidence sequence."""
     result = VerdictResult(default, candidates, level, max_rounds)
     started, slowest = clock(), 0.0
-    def fits(measurements: list[tuple[Contender, float]], slowest: float) -> bool:
-        return clock() - started + (cost(measurements) if cost is not None else slowest) <= budget_s
     for r in range(max_rounds):
         plan = [(default, rate) for rate in default_rates(result, step)]
         plan += [(c, rate) for c in candidates
@@ -161,11 +164,9 @@ def paired_verdict(default: Contender, candidates: list[Contender], measure_at: 
         if not plan:
             result.stopped = f"nothing left to measure could decide, after {r} rounds"
             return result
-        if r >= 1 and not fits(plan, slowest):
-            plan = beside_only(plan)
-            if not plan or not fits(plan, slowest):
-                result.stopped = f"time budget ({budget_s:.0f}s) used after {r} rounds"
-                return result
+        if r >= 1 and not (plan := what_fits(plan, budget_s - (clock() - started), cost, slowest)):
+            result.stopped = f"time budget ({budget_s:.0f}s) used after {r} rounds"
+            return result
         t0 = clock()
         measured: set[str] = set()
         for c, rate in (plan if r % 2 == 0 else plan[::-1]):
@@ -191,8 +192,7 @@ def paired_verdict(default: Contender, candidates: list[Contender], measure_at: 
             # the winner is decided; it may climb, and the default's own ceiling may still give the ratio a multiple
             left = ([(default, ceiling_rate(default, step) or 0.0)] if ceiling_open(result, step) else []) + \
                 ([(w, w.next_rate)] if w.next_rate is not None else [])
-            trimmed = beside_only(left)
-            if not left or r + 1 >= max_rounds or not (fits(left, slowest) or (trimmed and fits(trimmed, slowest))):
+            if r + 1 >= max_rounds or not what_fits(left, budget_s - (clock() - started), cost, slowest):
                 result.stopped = f"{w.name} shown better after {r + 1} rounds" + climbed(w)
                 return result
     decided = all(result.outcome(c) != "undecided" for c in candidates)
