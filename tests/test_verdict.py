@@ -12,7 +12,7 @@ from tuner.measure.dependence import block_counts
 from tuner.measure.capacity import Ratio
 from tuner.measure.verdict import RATES_PER_CANDIDATE, Contender, Sample, VerdictResult, pool_levels
 from tuner.measure.verdict_report import verdict_line
-from tuner.measure.verdict_rounds import paired_verdict
+from tuner.measure.verdict_rounds import first_rate, paired_verdict
 
 
 def blocks(attaining: int, requests: int, size: int = 10) -> tuple[tuple[int, int], ...]:
@@ -140,7 +140,7 @@ def test_the_verdict_stops_when_the_next_round_would_exceed_the_budget() -> None
 
 def test_a_round_that_does_not_fit_whole_steps_the_candidate_down_without_the_defaults_ceiling() -> None:
     """A candidate not shown at its first rate, the budget short of a whole second round (the default at its own
-    ceiling, undecided, included): the second round runs without that ceiling, which decides no candidate's outcome,
+    ceiling, undecided with a miss within reach, included): the second round runs without that ceiling, which decides no candidate's outcome,
     and the candidate is shown better where it steps down. With a budget that holds the whole round, the ceiling is
     measured again. (On the engine, with the ceiling in every round, a run stopped after one round with five of
     its 22 minutes unused and wrote the default.)"""
@@ -154,7 +154,7 @@ def test_a_round_that_does_not_fit_whole_steps_the_candidate_down_without_the_de
 
     def run(budget_s: float) -> tuple[list[tuple[str, float, int]], Contender, object]:
         t = [0.0]
-        seen, inner = fixed_world({"default": {ceiling: 0.9, -1.0: 0.5},
+        seen, inner = fixed_world({"default": {ceiling: 0.87, -1.0: 0.5},
                                    "candidate 1": {first: 0.8, second: 1.0, -1.0: 0.8}})
 
         def timed(c: Contender, rate: float, draw: int) -> Sample:
@@ -290,3 +290,31 @@ def test_a_climb_not_shown_served_ends_the_climbing_and_claims_no_miss() -> None
     assert c.shown().low == pytest.approx(ceiling) and c.shown().high != pytest.approx(climb)
     assert r.winner is c and c.next_rate is None and "shown better after 3 rounds" in r.stopped
     assert r.as_dict()["candidates"][0]["pools"][1]["climb"] is True
+
+
+def test_a_winner_two_steps_below_its_search_climbs_and_a_ceiling_that_cannot_miss_is_left() -> None:
+    """The shape of a run on the engine: the candidate shown served at its first rate, two steps below its searched
+    capacity (5.24 of 6.93 req/s), and the default at its own ceiling attaining 57 of 60 requests (undecided, and no
+    further window as long could show it missed). The next round climbs to one step below the searched capacity and
+    leaves the ceiling alone; on the engine three more rounds went to that ceiling, deciding nothing, and the winner
+    never climbed."""
+    step = 1.15
+    ceiling = round(0.841 * step, 6)
+    seen: list[tuple[str, float]] = []
+
+    def measure_at(c: Contender, rate: float, draw: int) -> Sample:
+        seen.append((c.name, round(rate, 6)))
+        if c.is_default and round(rate, 6) == ceiling:
+            return Sample(rate, draw, blocks(57, 60, size=3))
+        return Sample(rate, draw, blocks(300 if c.is_default else 600, 600))
+
+    d = Contender("default", {}, 0.771, search_high=0.841)
+    c = Contender("candidate 1", {}, 6.93, next_rate=first_rate(6.93, d.search_high, step))
+    r = paired_verdict(d, [c], measure_at, max_rounds=4, budget_s=math.inf, step=step)
+    first, climb = round(6.93 / step ** 2, 6), round(6.93 / step, 6)
+    assert [rate for name, rate in seen if name == "candidate 1"] == [first, climb]
+    assert [rate for name, rate in seen if name == "default"] == sorted([first, ceiling])
+    ceiling_pool = d.pool(ceiling)
+    assert ceiling_pool is not None and ceiling_pool.verdict() == "undecided"
+    assert r.winner is c and c.shown().low == pytest.approx(climb)
+    assert "shown better after 2 rounds, then climbed to 6.03 req/s" in r.stopped

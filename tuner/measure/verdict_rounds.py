@@ -4,7 +4,8 @@ the rounds stop.
 - a candidate: first one step (or two) below its searched capacity (:func:`first_rate`); while its pool there is not
   shown served and another round cannot show it, down toward the default's ceiling (:func:`plan_next`): two rates
   at most;
-- the default: beside each undecided candidate on the same arrivals, and at its own ceiling (:func:`default_rates`);
+- the default: beside each undecided candidate on the same arrivals, and at its own ceiling while a miss there is
+  within reach (:func:`default_rates`);
 - the winner, once shown better: a climb toward the lowest rate above its shown-served one that it was not shown to
   serve (:func:`plan_climb`), each climb started only once the rate below it was shown served.
 """
@@ -15,7 +16,7 @@ import math
 import time
 from typing import Callable
 
-from tuner.measure.verdict import RATES_PER_CANDIDATE, Contender, Sample, VerdictResult, rate_key
+from tuner.measure.verdict import RATES_PER_CANDIDATE, Contender, Pool, Sample, VerdictResult, rate_key
 from tuner.measure.statistics import DEFAULT_LEVEL
 
 # measure(contender, rate, draw) -> the sample of one measurement (sized by the verdict)
@@ -73,14 +74,15 @@ def plan_climb(c: Contender, step: float, more_blocks: int) -> None:
 
 def climb_rate(c: Contender, step: float) -> float | None:
     """The winner's next climb: the geometric middle of its highest rate shown served and the lowest rate above it
-    not shown served (its searched claim, where none is), while they are more than two steps apart (a climb gains a
-    step at least). None once a climb was not shown served: a further climb would not rest on the one below it."""
+    not shown served (its searched claim, where none is), while they are two steps apart or more (a climb gains a
+    step at least: a winner shown served at its first rate two steps below its searched capacity climbs to one step
+    below it). None once a climb was not shown served: a further climb would not rest on the one below it."""
     if any(p.served_only and p.verdict() != "met" for p in c.pools.values()):
         return None
     low = c.shown().low
     high = min((p.rate for p in c.pools.values() if p.rate > low * (1 + 1e-9) and p.verdict() != "met"),
                default=c.claim)
-    if low <= 0 or high <= low * step ** 2 * (1 + 1e-9):
+    if low <= 0 or high < low * step ** 2 * (1 - 1e-9):
         return None
     return rate_key(math.sqrt(low * high))
 
@@ -101,20 +103,32 @@ def default_rates(result: VerdictResult, step: float) -> list[float]:
     rates = [c.next_rate for c in result.candidates if result.outcome(c) == "undecided" and c.next_rate is not None]
     own = ceiling_rate(d, step)
     below = rates + ([result.winner.shown().low] if result.winner is not None else [])
-    if below and own is not None and own < min(below) * (1 - 1e-9):
+    if below and own is not None and own < min(below) * (1 - 1e-9) and may_show_missed(d.pool(own)):
         rates.append(own)
     return sorted(r for r in set(rate_key(r) for r in rates)
                   if (pool := d.pool(r)) is None or pool.verdict() == "undecided")
 
 
 def ceiling_open(result: VerdictResult, step: float) -> bool:
-    """Whether the default's own ceiling, below the winner's shown-served rate, is still undecided (a miss there
-    would give the ratio a multiple)."""
+    """Whether the default's own ceiling, below the winner's shown-served rate, may still be shown missed (a miss
+    there would give the ratio a multiple)."""
     own, w = ceiling_rate(result.default, step), result.winner
     if own is None or w is None or own >= w.shown().low * (1 - 1e-9):
         return False
-    pool = result.default.pool(own)
-    return pool is None or pool.verdict() == "undecided"
+    return may_show_missed(result.default.pool(own))
+
+
+def may_show_missed(pool: Pool | None) -> bool:
+    """Whether the default's pool at its own ceiling is worth another window: not yet measured (or only void), or
+    undecided with "missed" within reach of one more window as long as its last. Only a miss there counts (it gives
+    the ratio a multiple); a ceiling the default attains 92-98 % at in 60 s windows is never shown missed, and on the
+    engine three further rounds spent four minutes on one, deciding nothing."""
+    if pool is None or not pool.requests:
+        return True
+    if pool.verdict() != "undecided":
+        return False
+    last = next((s for s in reversed(pool.samples) if s.void is None), None)
+    return pool.within_reach("missed", max(1, len(last.blocks) if last is not None else 1))
 
 
 def ceiling_rate(default: Contender, step: float) -> float | None:
