@@ -125,10 +125,14 @@ def may_show_missed(pool: Pool | None) -> bool:
     engine three further rounds spent four minutes on one, deciding nothing."""
     if pool is None or not pool.requests:
         return True
-    if pool.verdict() != "undecided":
-        return False
-    last = next((s for s in reversed(pool.samples) if s.void is None), None)
-    return pool.within_reach("missed", max(1, len(last.blocks) if last is not None else 1))
+    return pool.verdict() == "undecided" and pool.within_reach("missed", window_blocks(pool))
+
+
+def window_blocks(pool: Pool | None) -> int:
+    """The blocks another window at ``pool``'s rate adds: as many as its last window that measured (a void one,
+    where the measuring machinery failed, says nothing of the next), at least one."""
+    last = next((s for s in reversed(pool.samples) if s.void is None), None) if pool is not None else None
+    return max(1, len(last.blocks) if last is not None else 1)
 
 
 def ceiling_rate(default: Contender, step: float) -> float | None:
@@ -190,9 +194,7 @@ def paired_verdict(default: Contender, candidates: list[Contender], measure_at: 
                 c.rounds += 1
                 measured.add(c.name)
         for c in candidates:
-            pool = c.pool(c.next_rate) if c.next_rate is not None else None
-            last = pool.samples[-1] if pool and pool.samples else None
-            more = max(1, len(last.blocks) if last else 1)
+            more = window_blocks(c.pool(c.next_rate) if c.next_rate is not None else None)
             if c is result.winner:
                 plan_climb(c, step, more)
             else:
