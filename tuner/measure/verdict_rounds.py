@@ -131,8 +131,10 @@ def may_show_missed(pool: Pool | None) -> bool:
 def window_blocks(pool: Pool | None) -> int:
     """The blocks another window at ``pool``'s rate adds: as many as its last window that measured (a void one,
     where the measuring machinery failed, says nothing of the next), at least one."""
-    last = next((s for s in reversed(pool.samples) if s.void is None), None) if pool is not None else None
-    return max(1, len(last.blocks) if last is not None else 1)
+    if pool is None:
+        return 1
+    last = next((s for s in reversed(pool.samples) if s.void is None), None)
+    return max(1, len(last.blocks)) if last is not None else 1
 
 
 def ceiling_rate(default: Contender, step: float) -> float | None:
