@@ -296,12 +296,16 @@ def test_disconnect_aborts_within_one_step(server: InProcessServer) -> None:
 
     async def run() -> float:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
-            body = {"prompt": PROMPT, "max_tokens": 30, "ignore_eos": True, "temperature": 0}
+            # the keeper must still be decoding when the other client leaves, on a fast machine too: 200 tokens
+            # are ~2 s of steps here, the disconnect takes a handful
+            body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
             keeper = asyncio.ensure_future(stream_completion(http, body))
-            await asyncio.sleep(0.2)
+            while not server.engine.has_unfinished_requests():
+                await asyncio.sleep(0.01)
             await stream_completion(http, {**body, "prompt": "Hello"}, stop_after=3)
             gone = time.time()
-            assert len((await keeper)["texts"]) == 30
+            assert not keeper.done(), "the keeper finished before the other client left: nothing is measured"
+            assert len((await keeper)["texts"]) == 200
             return gone
 
     gone = asyncio.run(run())
