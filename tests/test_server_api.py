@@ -21,6 +21,14 @@ PROMPT = "The capital of France is"
 MAX_BODY = 256 * 1024
 
 
+async def engine_holds_a_request(server: InProcessServer, timeout_s: float = 60.0) -> None:
+    """Return once the engine holds a request (one a test just sent); fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not server.engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, f"the engine held no request after {timeout_s:.0f}s"
+        await asyncio.sleep(0.01)
+
+
 @pytest.fixture(scope="module")
 def server() -> InProcessServer:
     s = InProcessServer(max_body_bytes=MAX_BODY)
@@ -300,8 +308,7 @@ def test_disconnect_aborts_within_one_step(server: InProcessServer) -> None:
             # are ~2 s of steps here, the disconnect takes a handful
             body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
             keeper = asyncio.ensure_future(stream_completion(http, body))
-            while not server.engine.has_unfinished_requests():
-                await asyncio.sleep(0.01)
+            await engine_holds_a_request(server)
             await stream_completion(http, {**body, "prompt": "Hello"}, stop_after=3)
             gone = time.time()
             assert not keeper.done(), "the keeper finished before the other client left: nothing is measured"
@@ -330,8 +337,7 @@ def test_the_engine_and_the_front_end_do_not_stall_each_other(server: InProcessS
             # long enough to still be decoding after the 0.3 s below plus the 1.5 s block (~12 ms a step here)
             body = {"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "temperature": 0}
             job = asyncio.ensure_future(stream_completion(http, body))
-            while not server.engine.has_unfinished_requests():
-                await asyncio.sleep(0.01)
+            await engine_holds_a_request(server)
             await asyncio.sleep(0.3)
             blocked = time.time()
             loop.call_soon_threadsafe(time.sleep, 1.5)  # the event loop thread does nothing else for 1.5 s
@@ -355,8 +361,7 @@ def test_the_engine_and_the_front_end_do_not_stall_each_other(server: InProcessS
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
             body = {"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True}
             job = asyncio.ensure_future(http.post("/v1/completions", json=body))
-            while not server.engine.has_unfinished_requests():
-                await asyncio.sleep(0.01)
+            await engine_holds_a_request(server)
             t0 = time.monotonic()
             assert (await http.get("/health")).status_code == 200
             results["health_s"] = time.monotonic() - t0
