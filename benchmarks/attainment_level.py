@@ -24,6 +24,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -87,7 +88,7 @@ def main() -> int:
             truth = float(y.mean())
             windows = [y[(at >= w) & (at < w + args.window)] for w in np.arange(at[0], at[-1] - args.window,
                                                                                  args.window)]
-            row = {"config": name, "rate": rate, "truth": truth, "requests": int(y.size), "windows": len(windows),
+            row: dict[str, Any] = {"config": name, "rate": rate, "truth": truth, "requests": int(y.size), "windows": len(windows),
                    "by_block": {}}
             for b in args.blocks:
                 verdicts = [judge(w, rate, b, level) for w in windows]

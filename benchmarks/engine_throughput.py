@@ -39,7 +39,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from engine.cpu_info import cpu_name
 
@@ -119,7 +119,10 @@ def class_counts(n: int) -> dict[str, int]:
 
 
 def class_bounds(scale: float) -> dict[str, tuple[int, int, int, int]]:
-    return {k: tuple(max(1, round(v * scale)) for v in b) for k, b in CLASSES.items()}
+    def scaled(bounds: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+        a, b, c, d = (max(1, round(v * scale)) for v in bounds)
+        return a, b, c, d
+    return {k: scaled(b) for k, b in CLASSES.items()}
 
 
 def make_workload(n: int, seed: int, scale: float, vocab_size: int) -> list[Request]:
@@ -192,6 +195,18 @@ def threads_seen_by_new_thread(torch: Any) -> int:
     t.start()
     t.join()
     return seen[0]
+
+
+class System(Protocol):
+    """What the drivers below have in common: a name, a warm-up, one timed run of the workload, a description."""
+
+    name: str
+
+    def warm_up(self, warm: list[Request]) -> None: ...
+
+    def run(self) -> tuple[dict[str, Any], list[list[int]]]: ...
+
+    def describe(self) -> dict[str, Any]: ...
 
 
 class EngineSystem:
@@ -626,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Load and warm up every system, then time them in turns: each repeat runs every system once (the order
     # rotates), so that load from elsewhere on the machine falls on all of them alike.
-    systems: list[Any] = []
+    systems: list[System] = []
     engine_system = None
     if "engine" not in args.skip or "batch1" not in args.skip:
         log("engine: loading")

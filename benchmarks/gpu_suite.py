@@ -149,7 +149,7 @@ def throughput(args: argparse.Namespace, torch: Any, model_dir: Path, vocab_size
     et_args.model = args.model
     requests = et.make_workload(et_args.num_requests, et_args.seed, et_args.length_scale, vocab_size)
     warm = et.warmup_workload(vocab_size, et_args.seed)
-    systems = [et.EngineSystem(et_args, requests),
+    systems: list[et.System] = [et.EngineSystem(et_args, requests),
                et.HFContinuousBatchingSystem(et_args, et.load_hf_model(et_args, model_dir, torch), requests, torch)]
     for system in systems:
         log(f"{system.name}: warm-up")

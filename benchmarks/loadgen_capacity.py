@@ -46,7 +46,7 @@ def start_stub(interval: float, realtime: bool) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "streaming_stub_server.py"), "--port", "0",
                              "--interval", str(interval)], stdout=subprocess.PIPE, text=True,
                             preexec_fn=rt if realtime else None)
-    line = proc.stdout.readline()
+    line = proc.stdout.readline() if proc.stdout is not None else ""  # stdout is a pipe: never None
     if not line.startswith("LISTENING"):
         raise RuntimeError(f"stub server did not start: {line!r}")
     return proc, f"http://127.0.0.1:{int(line.split()[1])}"
@@ -93,17 +93,18 @@ def one(url: str, streams: int, tokens: int, interval: float, duration: float, r
     log = server_log(url)
     server = {k: v for k, v in log["requests"].items() if k not in before}
     recs = read_records(os.path.join(out, "records.parquet"))
-    err, gap_diff = [], []
+    errs: list[np.ndarray] = []
+    gap_diffs: list[np.ndarray] = []
     for r in recs:
         srv = server.get(r.id)
         if srv is None or not r.token_times:
             continue
         n = min(len(r.token_times), len(srv["tokens"]))
         c, w = np.array(r.token_times[:n]), np.array(srv["tokens"][:n])
-        err.append(c - w)
-        gap_diff.append(np.abs(np.diff(c) - np.diff(w)))
-    err = np.concatenate(err) if err else np.zeros(0)
-    gap_diff = np.concatenate(gap_diff) if gap_diff else np.zeros(0)
+        errs.append(c - w)
+        gap_diffs.append(np.abs(np.diff(c) - np.diff(w)))
+    err = np.concatenate(errs) if errs else np.zeros(0)
+    gap_diff = np.concatenate(gap_diffs) if gap_diffs else np.zeros(0)
     # the steady state: requests scheduled after the first lifetime, before the last one
     steady = [r for r in recs if lifetime <= r.scheduled_at < duration - lifetime]
     def pct(a: np.ndarray, q: float) -> float | None:

@@ -32,16 +32,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from engine.config import EngineConfig, ModelLimits
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from loadtest.summary import percentile
 
 # SmolLM2-135M: 8192-token context; K+V of 30 layers x 3 heads x 64 dims in fp32.
 LIMITS = ModelLimits(max_context_len=8192, kv_bytes_per_token=2 * 30 * 3 * 64 * 4)
 VOCAB = 49152
 TARGET_MS = 1.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100, linear interpolation) of timings, which are never empty here."""
+    return float(np.percentile(values, q))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,7 +97,7 @@ class Harness:
         t1 = time.perf_counter()
         # What the runner would hand back: a token where the step samples, else None (built outside the timing).
         pos = self.token_pos
-        sampled = []
+        sampled: list[int | None] = []
         for item in out.scheduled:
             if item.samples:
                 sampled.append(tokens[pos & 0xFFFF])

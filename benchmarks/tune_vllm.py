@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from engine.cpu_info import cpu_name  # noqa: E402
 from policies import WorkloadSpec, load_policy  # noqa: E402
+from slotune.slo import SLO  # noqa: E402
 from tune_evidence import INDEPENDENT_SEED, check_record, run_tune, shown  # noqa: E402
 from tuner.commands.engines import SERVED_NAME, default_model_dir, default_vllm_python  # noqa: E402
 from tuner.measure.capacity import measurement_spec  # noqa: E402
@@ -54,7 +55,7 @@ def vllm_check(knobs: dict[str, Any], rate: float, slo: dict[str, Any], workload
     kind = vllm_kind(default_vllm_python(), default_model_dir(), SERVED_NAME, [])
     with RestartedEngine(kind, folder / "servers") as engine:
         runner = TrialRunner(engine, workload=WorkloadSpec(**workload), rate=rate, duration=CHECK_S,
-                             warmup=policy.warmup, slo=slo, seed=INDEPENDENT_SEED,
+                             warmup=policy.warmup, slo=SLO.from_dict(slo), seed=INDEPENDENT_SEED,
                              server_warmup=policy.server_warmup)
         spec = replace(measurement_spec(policy), sustained_s=CHECK_S)
         m = measure(runner, knobs, rate, folder, INDEPENDENT_SEED // 1000, spec)

@@ -30,6 +30,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from slotune.slo import SLO
 from slotune.units import format_duration, parse_duration
 from policies import WorkloadSpec
 from tuner.trials.engine_handle import ManagedEngine
@@ -38,7 +39,7 @@ from tuner.trials.trial_runner import TrialRunner
 UNTUNED = {"max_num_seqs": 128, "max_num_batched_tokens": 2048, "block_size": 16, "chunk_size": None,
            "prefill_token_ratio": 1.0}
 AZURE = REPO.parent / "shared" / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
-WORKLOADS = {
+WORKLOADS: dict[str, dict[str, Any]] = {
     "mixed": {"workload": "mixed", "length_scale": 0.125},
     # conversation trace: prompts ~1k tokens, outputs ~200 -> x1/16; its timestamps rescaled to the tuned rate,
     # from 10 minutes in (its first seconds are sparse: 4 requests in 5 s against 5.5/s on average)
@@ -78,7 +79,7 @@ def measure(out: Path, name: str, tuned: dict[str, Any], args: argparse.Namespac
     with ManagedEngine(log_path=str(out / f"{name}.engine.log")) as handle:
         runner = TrialRunner(handle, workload=WorkloadSpec(name=w["workload"], length_scale=w["length_scale"],
                                                            max_context=2048, trace_offset=w.get("trace_offset", 0.0)),
-                             rate=rate, duration=args.window, warmup=3.0, slo={"tbt_p99": args.slo_p99_tbt},
+                             rate=rate, duration=args.window, warmup=3.0, slo=SLO(tbt_p99=args.slo_p99_tbt),
                              pruning=None, seed=1)  # another seed than the study's: fresh arrivals
         for r in range(args.rounds):
             for label, knobs in (("untuned", UNTUNED), ("tuned", tuned["knobs"])):

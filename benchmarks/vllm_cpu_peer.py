@@ -333,11 +333,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = parse_args(argv)
     if args.summarize is not None:  # a saved result's ratios and table, recomputed by this version of the script
-        report = json.loads(args.summarize.read_text())
-        report["ratios"] = peer_ratios(report)
-        report["markdown"] = markdown(report)
-        print(report["markdown"])
-        args.summarize.write_text(json.dumps(report, indent=2) + "\n")
+        saved = json.loads(args.summarize.read_text())
+        saved["ratios"] = peer_ratios(saved)
+        saved["markdown"] = markdown(saved)
+        print(saved["markdown"])
+        args.summarize.write_text(json.dumps(saved, indent=2) + "\n")
         return 0
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(args.threads)
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     engine_args = argparse.Namespace(model=None, device="cpu", max_num_seqs=args.max_num_seqs, block_size=16,
                                      max_num_batched_tokens=args.max_num_batched_tokens,
                                      kv_cache_bytes=args.kv_cache_gib << 30)
-    engines = {"requests": requests, "warm": warmup_workload(vocab, args.seed),
+    engines: dict[str, Any] = {"requests": requests, "warm": warmup_workload(vocab, args.seed),
                "systems": {d: EngineSystem(engine_args, requests, dtype=d) for d in DTYPES}}
     for system in engines["systems"].values():
         system.warm_up(engines["warm"])
