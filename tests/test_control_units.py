@@ -435,6 +435,51 @@ def test_a_retune_that_fails_is_a_logged_no_move_and_the_controller_goes_on(
     assert engine.applied == [] and controller.canary is None  # nothing applied; the next tick watches again
 
 
+def test_the_retune_searches_on_its_own_thread_at_the_lowest_cpu_priority(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's steps come before the controller's simulator search where the two share cores; the loop's own
+    thread keeps its priority (it scrapes and judges canaries on time)."""
+    import os
+    import threading
+
+    import tuner.control.loop as loop
+    from tuner.control.loop import Controller
+    from tuner.control.triggers import Trigger
+
+    class Engine:
+        def admin_config(self) -> dict[str, Any]:
+            return {"config": {"max_num_seqs": 2}, "generation": 1, "resolved": {}, "lease": None}
+
+        def steps(self, since: int) -> tuple[list[dict[str, Any]], int]:
+            return [], 0
+
+        def health(self) -> dict[str, Any]:
+            return {"status": "ok", "dtype": "float32"}
+
+    seen: dict[str, Any] = {}
+
+    def watched_search(policy: Any, current: dict[str, Any], *args: Any, **kwargs: Any) -> Search:
+        seen["niceness"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        seen["thread"] = threading.current_thread().name
+        return Search(None, Prediction(current, {}), "nothing screened beats the applied config", 31)
+
+    def own_niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    monkeypatch.setattr(loop, "search", watched_search)
+    before_niceness = own_niceness()
+    controller = Controller(policy_with(), None, Engine(), DecisionLog(tmp_path / "c.jsonl"), say=lambda s: None)
+    for t in range(0, 62, 2):
+        controller.remember(scrape(float(t), ok=t / 4, count=t, finished=t, prompt=20 * t, output=20 * t))
+    before = controller.trigger_window()
+    assert before is not None
+    controller.act(Trigger("attainment", "below target", {}), before)
+    assert seen == {"niceness": 19, "thread": "slotune-retune"}
+    assert own_niceness() == before_niceness
+    decisions = [r for r in read_log(tmp_path / "c.jsonl") if r["kind"] == "decision"]
+    assert [d["reason"] for d in decisions] == ["nothing screened beats the applied config"]
+
+
 def test_a_block_settles_for_the_longer_of_the_measured_and_the_predicted_request() -> None:
     before = WindowStats(0.0, 15.0, 10, 10, 9, 0.05, 0, 320, 0, 0, (1, 1), mean_gap=0.05)  # 32 tokens x 50 ms
     faster = Search(Prediction({"max_num_seqs": 8}, {"tbt_mean": 0.02}), Prediction({}, {}), "", 1)

@@ -27,6 +27,7 @@ from tuner.control.controller_metrics import ControllerMetrics
 from tuner.control.decision_log import DecisionLog, ResumeState, resume
 from tuner.control.engine_admin import LeasingEngine, resolved_knobs
 from tuner.control.guardrails import changed, cooldown_left
+from tuner.control.low_priority import at_low_priority
 from tuner.control.attainment import AttainmentMonitor, Counts
 from tuner.control.drift import DriftMonitor
 from tuner.control.shape import Shape, shape_of
@@ -299,10 +300,11 @@ class Controller:
                 self.engine_dtype = None  # and ask the restarted engine its dtype
                 return
             try:
-                found = search(self.policy, current, resolved, shape, recent_steps, self.study_knobs(),
-                               target=self.policy.control.triggers.attainment_target, profile=self.profile,
-                               seed=self.state.next_id, backlog=queued(self.history[-1]), admin_config=payload,
-                               dtype=self.dtype(), rolled_back=self.state.rolled_back)
+                found = at_low_priority(lambda: search(
+                    self.policy, current, resolved, shape, recent_steps, self.study_knobs(),
+                    target=self.policy.control.triggers.attainment_target, profile=self.profile,
+                    seed=self.state.next_id, backlog=queued(self.history[-1]), admin_config=payload,
+                    dtype=self.dtype(), rolled_back=self.state.rolled_back))
             except Exception as error:  # a retune that fails is a decision not to move; the controller keeps watching
                 self.decide("no_move", trigger, f"the retune failed: {type(error).__name__}: {error}",
                             before=before.as_dict(), shape=shape.as_dict())
