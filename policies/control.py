@@ -99,6 +99,13 @@ KEEP_ROUTES = 2
 KEEP_LOOKS = 2
 
 
+# The retune's pick moves only when fresh simulator draws show its edge over the applied config: a one-sided
+# sign-flip test of the draws' differences at this level (its smallest p is 2^-draws, so fewer than MIN_DRAWS draws
+# could never show an edge).
+REDRAW_LEVEL = 0.025
+MIN_DRAWS = math.ceil(math.log2(1 / REDRAW_LEVEL) - 1e-9)
+
+
 def min_pairs(level: float) -> int:
     """The fewest pairs with which a canary at ``level`` can be kept at all: each route's one-sided sign-flip test
     at level / KEEP_ROUTES (its smallest p is 2^-pairs)."""
@@ -244,7 +251,7 @@ class CanaryDoc(SectionDoc):
 
 class RetuneDoc(SectionDoc):
     candidates: int = Field(Retune.candidates, ge=1)
-    draws: int = Field(Retune.draws, ge=2)
+    draws: int = Field(Retune.draws, ge=MIN_DRAWS)
     headroom: float = Field(Retune.headroom, ge=1)
     sim_duration: PositiveSeconds = Retune.sim_duration
     step_history: PositiveSeconds = Retune.step_history

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
 from loadtest.config import LoadConfig
 from slotune.slo import SLO
 from policies import Policy, WorkloadSpec
+from policies.control import REDRAW_LEVEL
+from tuner.control.canary import sign_flip_p_value
 from tuner.control.guardrails import changed, move_policy, project, within
 from tuner.control.shape import Shape
 from tuner.search.screening import COMPARED, load_profile, sample_configs
@@ -166,26 +167,29 @@ def mean_prediction(knobs: dict[str, Any], draws: list[Prediction]) -> Predictio
 
 @dataclass(frozen=True)
 class Redraws:
-    """The pick against the applied config on fresh common arrivals: each draw's difference of the deciding figure
-    and the one-sided lower bound of their mean (t, 97.5 %)."""
+    """The pick against the applied config on fresh common arrivals: each draw's difference of the deciding figure,
+    and the one-sided sign-flip test of their mean at REDRAW_LEVEL (the canary's test: exact whatever the
+    differences' shape, which is far from normal; where both configs attain every request of a draw it adds a 0)."""
 
     figure: str | None
     differences: tuple[float, ...]
 
+    def finite(self) -> list[float]:
+        return [x for x in self.differences if math.isfinite(x)]
+
     @property
-    def low(self) -> float:
-        d = [x for x in self.differences if math.isfinite(x)]
-        if self.figure is None or len(d) < 2:
-            return -math.inf
-        return float(np.mean(d) - stats.t.ppf(0.975, len(d) - 1) * np.std(d, ddof=1) / math.sqrt(len(d)))
+    def p_value(self) -> float:
+        return sign_flip_p_value(self.finite()) if self.figure is not None else 1.0
 
     @property
     def holds(self) -> bool:
-        return self.low > 0
+        return self.p_value <= REDRAW_LEVEL
 
     def as_dict(self) -> dict[str, Any]:
+        d = self.finite()
         return {"figure": self.figure, "differences": [round(x, 4) for x in self.differences],
-                "low": round(self.low, 4) if math.isfinite(self.low) else None, "holds": self.holds}
+                "mean": round(float(np.mean(d)), 4) if d else None, "p_value": round(self.p_value, 4),
+                "holds": self.holds}
 
 
 def remembered(move: dict[str, Any], current: dict[str, Any], rolled_back: list[dict[str, Any]]) -> bool:
