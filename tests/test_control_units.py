@@ -395,41 +395,50 @@ def test_the_retune_workload_follows_the_live_length_histograms() -> None:
     assert live_workload(plain).mix == "live=50-150:10-30"
 
 
-def test_a_retune_that_fails_is_a_logged_no_move_and_the_controller_goes_on(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import tuner.control.loop as loop
+class IdleEngine:
+    """An engine running two sequences, with no steps recorded and no other lease: what a retune reads."""
+
+    def __init__(self) -> None:
+        self.applied: list[dict[str, Any]] = []
+
+    def admin_config(self) -> dict[str, Any]:
+        return {"config": {"max_num_seqs": 2}, "generation": 1, "resolved": {}, "lease": None}
+
+    def steps(self, since: int) -> tuple[list[dict[str, Any]], int]:
+        return [], 0
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "dtype": "float32"}
+
+    def apply(self, knobs: dict[str, Any], lease_s: float | None = None) -> dict[str, Any]:
+        self.applied.append(knobs)
+        return {"generation": 2}
+
+
+def retune_on_a_trigger(tmp_path: Path, engine: IdleEngine) -> tuple[Any, list[dict[str, Any]]]:
+    """A controller that has watched a minute of traffic acts on an attainment trigger: it and its decisions."""
     from tuner.control.loop import Controller
     from tuner.control.triggers import Trigger
 
-    class Engine:
-        def __init__(self) -> None:
-            self.applied: list[dict[str, Any]] = []
-
-        def admin_config(self) -> dict[str, Any]:
-            return {"config": {"max_num_seqs": 2}, "generation": 1, "resolved": {}, "lease": None}
-
-        def steps(self, since: int) -> tuple[list[dict[str, Any]], int]:
-            return [], 0
-
-        def health(self) -> dict[str, Any]:
-            return {"status": "ok", "dtype": "float32"}
-
-        def apply(self, knobs: dict[str, Any], lease_s: float | None = None) -> dict[str, Any]:
-            self.applied.append(knobs)
-            return {"generation": 2}
-
-    def broken_search(*args: Any, **kwargs: Any) -> Any:
-        raise ValueError("the simulator cannot parse the rebuilt workload")
-
-    monkeypatch.setattr(loop, "search", broken_search)
-    engine = Engine()
     controller = Controller(policy_with(), None, engine, DecisionLog(tmp_path / "c.jsonl"), say=lambda s: None)
     for t in range(0, 62, 2):
         controller.remember(scrape(float(t), ok=t / 4, count=t, finished=t, prompt=20 * t, output=20 * t))
     before = controller.trigger_window()
     assert before is not None
     controller.act(Trigger("attainment", "below target", {}), before)
-    decisions = [r for r in read_log(tmp_path / "c.jsonl") if r["kind"] == "decision"]
+    return controller, [r for r in read_log(tmp_path / "c.jsonl") if r["kind"] == "decision"]
+
+
+def test_a_retune_that_fails_is_a_logged_no_move_and_the_controller_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tuner.control.loop as loop
+
+    def broken_search(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("the simulator cannot parse the rebuilt workload")
+
+    monkeypatch.setattr(loop, "search", broken_search)
+    engine = IdleEngine()
+    controller, decisions = retune_on_a_trigger(tmp_path, engine)
     assert len(decisions) == 1 and decisions[0]["outcome"] == "no_move"
     assert "the retune failed: ValueError: the simulator cannot parse" in decisions[0]["reason"]
     assert engine.applied == [] and controller.canary is None  # nothing applied; the next tick watches again
@@ -443,40 +452,22 @@ def test_the_retune_searches_on_its_own_thread_at_the_lowest_cpu_priority(
     import threading
 
     import tuner.control.loop as loop
-    from tuner.control.loop import Controller
-    from tuner.control.triggers import Trigger
-
-    class Engine:
-        def admin_config(self) -> dict[str, Any]:
-            return {"config": {"max_num_seqs": 2}, "generation": 1, "resolved": {}, "lease": None}
-
-        def steps(self, since: int) -> tuple[list[dict[str, Any]], int]:
-            return [], 0
-
-        def health(self) -> dict[str, Any]:
-            return {"status": "ok", "dtype": "float32"}
-
-    seen: dict[str, Any] = {}
-
-    def watched_search(policy: Any, current: dict[str, Any], *args: Any, **kwargs: Any) -> Search:
-        seen["niceness"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        seen["thread"] = threading.current_thread().name
-        return Search(None, Prediction(current, {}), "nothing screened beats the applied config", 31)
 
     def own_niceness() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
+    seen: dict[str, Any] = {}
+
+    def watched_search(policy: Any, current: dict[str, Any], *args: Any, **kwargs: Any) -> Search:
+        seen["niceness"] = own_niceness()
+        seen["thread"] = threading.current_thread().name
+        return Search(None, Prediction(current, {}), "nothing screened beats the applied config", 31)
+
     monkeypatch.setattr(loop, "search", watched_search)
     before_niceness = own_niceness()
-    controller = Controller(policy_with(), None, Engine(), DecisionLog(tmp_path / "c.jsonl"), say=lambda s: None)
-    for t in range(0, 62, 2):
-        controller.remember(scrape(float(t), ok=t / 4, count=t, finished=t, prompt=20 * t, output=20 * t))
-    before = controller.trigger_window()
-    assert before is not None
-    controller.act(Trigger("attainment", "below target", {}), before)
+    _, decisions = retune_on_a_trigger(tmp_path, IdleEngine())
     assert seen == {"niceness": 19, "thread": "slotune-retune"}
     assert own_niceness() == before_niceness
-    decisions = [r for r in read_log(tmp_path / "c.jsonl") if r["kind"] == "decision"]
     assert [d["reason"] for d in decisions] == ["nothing screened beats the applied config"]
 
 
