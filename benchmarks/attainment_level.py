@@ -88,8 +88,8 @@ def main() -> int:
             truth = float(y.mean())
             windows = [y[(at >= w) & (at < w + args.window)] for w in np.arange(at[0], at[-1] - args.window,
                                                                                  args.window)]
-            row: dict[str, Any] = {"config": name, "rate": rate, "truth": truth, "requests": int(y.size), "windows": len(windows),
-                   "by_block": {}}
+            row: dict[str, Any] = {"config": name, "rate": rate, "truth": truth, "requests": int(y.size),
+                                   "windows": len(windows), "by_block": {}}
             for b in args.blocks:
                 verdicts = [judge(w, rate, b, level) for w in windows]
                 row["by_block"][f"{b:g}"] = {v: verdicts.count(v) for v in ("met", "missed", "undecided")}
