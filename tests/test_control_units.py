@@ -175,7 +175,7 @@ def test_difference_of_shares_covers_the_truth_at_its_level() -> None:
 # Windows -----------------------------------------------------------------------------------------------------------
 def scrape(t: float, *, ok: float, count: float, finished: float, prompt: float = 0.0, output: float = 0.0,
            generation: int = 1, waiting: float = 0.0, ttft_ok: float | None = None,
-           first_tokens: float | None = None) -> Scrape:
+           first_tokens: float | None = None, e2e_ok: float | None = None) -> Scrape:
     values = {("slotune_request_itl_p99_seconds_bucket", (("le", "0.04"),)): ok * 0.9,
               ("slotune_request_itl_p99_seconds_bucket", (("le", "0.05"),)): ok,
               ("slotune_request_itl_p99_seconds_bucket", (("le", "0.06"),)): count,
@@ -187,6 +187,9 @@ def scrape(t: float, *, ok: float, count: float, finished: float, prompt: float 
     if ttft_ok is not None:
         values[("slotune_time_to_first_token_seconds_bucket", (("le", "2.0"),))] = ttft_ok
         values[("slotune_time_to_first_token_seconds_count", ())] = count if first_tokens is None else first_tokens
+    if e2e_ok is not None:
+        values[("slotune_e2e_request_latency_seconds_bucket", (("le", "10.0"),))] = e2e_ok
+        values[("slotune_e2e_request_latency_seconds_count", ())] = finished
     return Scrape(t, values)
 
 
@@ -214,6 +217,24 @@ def test_attainment_is_the_bucket_at_the_target_over_all_finished_requests() -> 
     late = window(scrape(0, ok=0, count=0, finished=0, ttft_ok=0, first_tokens=0),
                   scrape(1, ok=10, count=10, finished=10, ttft_ok=2, first_tokens=4), SLO(tbt_p99=0.05, ttft_p99=2.0))
     assert late.attaining == 8
+
+
+def test_an_e2e_target_is_judged_with_the_others(tmp_path: Path) -> None:
+    from tuner.control.attainment import Counts, merged
+    from tuner.control.loop import Controller
+
+    # 10 requests finished within the TBT and TTFT targets, 3 of them past the 10 s end-to-end target: 7 attain
+    before = scrape(0, ok=0, count=0, finished=0, ttft_ok=0, e2e_ok=0)
+    after = scrape(1, ok=10, count=10, finished=10, ttft_ok=10, e2e_ok=7)
+    w = window(before, after, SLO(tbt_p99=0.05, ttft_p99=2.0, e2e_p99=10.0))
+    assert (w.attaining, w.missed_e2e) == (7, 3)
+    assert window(before, after, SLO(tbt_p99=0.05, ttft_p99=2.0)).attaining == 10  # no E2E target: not judged
+    # the attainment monitor's looks count them too, and the controller judges the policy's whole SLO
+    assert merged([Counts(1.0, 10, 0.0, 0.0, 3.0), Counts(1.0, 10, 1.0, 2.0, 0.0)]).attaining == 17
+    controller = Controller(policy_with(slo={"tbt_p99": "50ms", "e2e_p99": "10s"}), None, None,
+                            DecisionLog(tmp_path / "c.jsonl"), say=lambda s: None)
+    assert controller.slo == SLO(tbt_p99=0.05, ttft_p99=2.0, e2e_p99=10.0)  # the TTFT target kept from the default
+    assert off_bucket_targets(after, SLO(tbt_p99=0.05, e2e_p99=12.0))[0].startswith("the E2E target 12.00s")
 
 
 def test_a_counter_that_went_down_means_a_restart() -> None:

@@ -47,8 +47,8 @@ class Counts:
     """The requests of a span between two scrapes: those that finished, and the misses of each target as its own
     histogram counts them, unclipped.
 
-    The two targets' misses are counted on different requests at the edges of a span (the TBT histogram counts a
-    request when it finishes, the TTFT one at its first token), so a short span's counts do not line up. Summed
+    The targets' misses are counted on different requests at the edges of a span (the TBT and E2E histograms count
+    a request when it finishes, the TTFT one at its first token), so a short span's counts do not line up. Summed
     over consecutive spans they telescope to the whole span's: a look is judged on its sums, never on per-span
     figures clipped and added (which lose every request whose first token and finish fall in different spans)."""
 
@@ -56,6 +56,7 @@ class Counts:
     finished: int
     missed_tbt: float  # finished requests whose own p99 gap missed its target (aborted ones included)
     missed_ttft: float = 0.0  # requests whose first token came in the span and missed the TTFT target
+    missed_e2e: float = 0.0  # requests finished on stop or length in the span that missed the E2E target
 
     @classmethod
     def of(cls, seconds: float, finished: int, attaining: int) -> Counts:
@@ -64,9 +65,9 @@ class Counts:
 
     @property
     def missed(self) -> int:
-        """At least the larger of the two targets' misses (each is a lower bound of the joint count), within
-        what finished."""
-        return min(self.finished, max(0, round(max(self.missed_tbt, self.missed_ttft))))
+        """At least the largest of the targets' misses (each is a lower bound of the joint count), within what
+        finished."""
+        return min(self.finished, max(0, round(max(self.missed_tbt, self.missed_ttft, self.missed_e2e))))
 
     @property
     def attaining(self) -> int:
@@ -76,7 +77,8 @@ class Counts:
 def merged(spans: list[Counts]) -> Counts:
     """Consecutive spans as one: their counts summed before the misses are judged."""
     return Counts(sum(c.seconds for c in spans), sum(c.finished for c in spans),
-                  sum(c.missed_tbt for c in spans), sum(c.missed_ttft for c in spans))
+                  sum(c.missed_tbt for c in spans), sum(c.missed_ttft for c in spans),
+                  sum(c.missed_e2e for c in spans))
 
 
 def batches(intervals: list[Counts], count: int = BATCHES) -> list[tuple[int, int]]:

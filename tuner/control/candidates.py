@@ -221,7 +221,7 @@ def search(policy: Policy, current: dict[str, Any], resolved: dict[str, Any], sh
     model = refitted_model(steps, int(resolved.get("block_size") or 16), profile, dtype)
     workload = live_workload(shape)
     rate = max(0.05, shape.arrival_rate * retune.headroom)
-    slo = SLO(tbt_p99=policy.slo.tbt_p99, ttft_p99=policy.slo.ttft_p99, e2e_p99=policy.slo.e2e_p99)
+    slo = policy.slo
     drain = judging_drain(slo, longest_output(shape))
     sim = SimTrialRunner(model, limits=limits_of(model, admin_config), workload=workload, rate=rate,
                          duration=retune.sim_duration, warmup=3.0, slo=slo, seed=seed, base_knobs=dict(current),

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import metric_names as names
-from slotune.slo import SLO
 from policies import Policy
 from tuner.control.canary import plan_switchback
 from tuner.control.canary_run import CanaryRun, Ending, roll_back_open
@@ -76,7 +75,7 @@ class Controller:
         self.attainment_clock = LookClock(t.window)
         self.last_observation = 0.0
         self.source_down = False
-        self.slo = SLO(tbt_p99=self.policy.slo.tbt_p99, ttft_p99=self.policy.slo.ttft_p99)
+        self.slo = self.policy.slo
         self.pending_proposal: dict[str, Any] | None = None
         self.engine_dtype: str | None = None  # fixed for an engine's life: asked once, at the first retune
 
@@ -217,7 +216,7 @@ class Controller:
         stats = self.intervals_between(start, now)
         if stats is None:
             return None
-        intervals = [Counts(w.seconds, w.finished, w.missed_tbt, w.missed_ttft) for w in stats]
+        intervals = [Counts(w.seconds, w.finished, w.missed_tbt, w.missed_ttft, w.missed_e2e) for w in stats]
         if sum(c.seconds for c in intervals) < WINDOW_COVER * self.attainment_clock.length:
             return None  # the window spans an engine restart or a config change
         return self.attainment.add(intervals)

@@ -71,7 +71,8 @@ def off_bucket_targets(scrape: Scrape, slo: SLO) -> list[str]:
     """A sentence for each SLO target that is not a bucket bound of the engine's histogram it is read from: it is
     read at the bound below, so requests between the two count as missing and attainment reads low."""
     notes = []
-    for name, histogram, target in (("TBT", names.REQUEST_ITL_P99, slo.tbt_p99), ("TTFT", names.TTFT, slo.ttft_p99)):
+    for name, histogram, target in (("TBT", names.REQUEST_ITL_P99, slo.tbt_p99), ("TTFT", names.TTFT, slo.ttft_p99),
+                                    ("E2E", names.E2E, slo.e2e_p99)):
         if target is None:
             continue
         _, bound = bucket_at(scrape, histogram, target)
@@ -170,11 +171,12 @@ class WindowStats:
     prompt_lengths: Lengths = Lengths()  # of the requests that finished on stop or length
     output_lengths: Lengths = Lengths()
     mean_gap: float = math.nan  # seconds between two tokens of one request, over the window's gaps
-    # each target's misses as its own histogram counts them, unclipped: the TBT one at a request's finish, the TTFT
-    # one at its first token, so consecutive windows' figures add up to their span's (the attaining count above,
-    # finished less the larger of the two and clipped per window, does not)
+    # each target's misses as its own histogram counts them, unclipped: the TBT and E2E ones at a request's finish,
+    # the TTFT one at its first token, so consecutive windows' figures add up to their span's (the attaining count
+    # above, finished less the largest of them and clipped per window, does not)
     missed_tbt: float = 0.0
     missed_ttft: float = 0.0
+    missed_e2e: float = 0.0
 
     @property
     def service_s(self) -> float:
@@ -239,13 +241,20 @@ def window(before: Scrape, after: Scrape, slo: SLO) -> WindowStats:
     reasons = after.labelled(names.total(names.REQUEST_SUCCESS), "finished_reason")
     reasons_before = before.labelled(names.total(names.REQUEST_SUCCESS), "finished_reason")
     finished = sum(delta(v, reasons_before.get(k, 0.0), f"finished requests ({k})") for k, v in reasons.items())
-    missed_tbt, missed_ttft = finished - attaining, 0.0
-    if slo.ttft_p99 is not None:
-        ttft_ok = delta(bucket_at(after, names.TTFT, slo.ttft_p99)[0], bucket_at(before, names.TTFT, slo.ttft_p99)[0],
-                        "the TTFT-attaining count")
-        missed_ttft = delta(after.get(names.hist_count(names.TTFT)), before.get(names.hist_count(names.TTFT)),
-                            "first tokens") - ttft_ok
-        attaining = min(attaining, finished - missed_ttft)
+    missed_tbt = finished - attaining
+
+    def misses(histogram: str, target: float | None, what: str) -> float:
+        """The observations of ``histogram`` in the window above ``target`` (0 without a target)."""
+        if target is None:
+            return 0.0
+        ok = delta(bucket_at(after, histogram, target)[0], bucket_at(before, histogram, target)[0],
+                   f"the {what}-attaining count")
+        return delta(after.get(names.hist_count(histogram)), before.get(names.hist_count(histogram)),
+                     f"the {what} observations") - ok
+
+    missed_ttft = misses(names.TTFT, slo.ttft_p99, "TTFT")
+    missed_e2e = misses(names.E2E, slo.e2e_p99, "E2E")  # of the requests that finished on stop or length
+    attaining = min(attaining, finished - missed_ttft, finished - missed_e2e)
     # A request may finish between the two histogram reads of one scrape: never more attaining than finished.
     finished_n = round(finished)
     return WindowStats(
@@ -264,7 +273,7 @@ def window(before: Scrape, after: Scrape, slo: SLO) -> WindowStats:
         prompt_lengths=lengths_between(before, after, names.REQUEST_PROMPT_TOKENS),
         output_lengths=lengths_between(before, after, names.REQUEST_GENERATION_TOKENS),
         mean_gap=_mean_between(before, after, names.INTER_TOKEN_LATENCY), missed_tbt=missed_tbt,
-        missed_ttft=missed_ttft)
+        missed_ttft=missed_ttft, missed_e2e=missed_e2e)
 
 
 def _mean_between(before: Scrape, after: Scrape, histogram: str) -> float:
