@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from policies import WorkloadSpec
+from slotune.slo import SLO
 from tests.server_helpers import SubprocessServer
 from tuner.measure.measurement import MeasurementSpec, measure
 from tuner.trials.engine_handle import EngineHandle
@@ -82,7 +83,7 @@ def test_a_competing_process_during_one_window_voids_it_and_the_measurement_runs
         handle = EngineHandle(server.url, "secret")
         assert serving_pid(server.url) == server.process.pid  # the engine, found by its port, is tune's own
         runner = TrialRunner(handle, workload=WorkloadSpec("mixed", 0.125, output_scale=0.25), rate=1.0,
-                             duration=2.0, warmup=0.5, slo={"tbt_p99": 0.2, "ttft_p99": 5.0})
+                             duration=2.0, warmup=0.5, slo=SLO(tbt_p99=0.2, ttft_p99=5.0))
         knobs = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "chunk_size": 32}
         spec = MeasurementSpec(max_segments=1)
         quiet = measure(runner, knobs, 1.0, tmp_path / "quiet", 0, spec)

@@ -16,6 +16,7 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
+from slotune.slo import SLO
 from tests.postgres_helpers import start_postgres
 from tests.server_helpers import TUNE, SubprocessServer
 from tuner.trials.engine_handle import EngineHandle
@@ -178,7 +179,7 @@ def test_a_trial_that_kills_the_engine_is_infeasible_and_the_engine_restarts(tmp
                 engine.process.kill()
 
         runner = TrialRunner(engine, workload=WorkloadSpec(length_scale=0.125), rate=2.0, duration=4.0, warmup=1.0,
-                             slo={"tbt_p99": 1.0}, on_progress=crash)
+                             slo=SLO(tbt_p99=1.0), on_progress=crash)
         outcome = runner.run({"max_num_seqs": 4}, tmp_path / "t")
         assert killed and not outcome.feasible
         assert outcome.reason is not None and "engine crashed" in outcome.reason

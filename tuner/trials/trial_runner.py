@@ -76,11 +76,6 @@ class TrialOutcome:
     rate: float | None = None
 
 
-def _slo(slo: SLO | dict[str, Any]) -> SLO:
-    return slo if isinstance(slo, SLO) else SLO.from_dict(slo)
-
-
-
 def feasibility(summary: dict[str, Any], slo: SLO) -> str | None:
     """None when the window's summary meets every SLO target, else why not."""
     if not summary.get("requests"):
@@ -108,7 +103,7 @@ class TrialRunner:
     rate: float = 1.0
     duration: float = 20.0
     warmup: float = 3.0
-    slo: SLO = field(default_factory=lambda: SLO(tbt_p99=0.05))  # or its dict (made a record)
+    slo: SLO = field(default_factory=lambda: SLO(tbt_p99=0.05))
     pruning: PruningSpec | None = None
     seed: int = 0
     drain_timeout: float = 10.0
@@ -123,7 +118,8 @@ class TrialRunner:
 
     def __post_init__(self) -> None:
         self.workload = WorkloadSpec.of(self.workload)
-        self.slo = _slo(self.slo)
+        if not isinstance(self.slo, SLO):
+            raise TypeError(f"slo must be a slotune.slo.SLO record, got {type(self.slo).__name__}")
         if self.base_knobs is None:
             self.base_knobs = self.engine.defaults() if isinstance(self.engine, RestartedEngine) \
                 else self.handle.get_config()
