@@ -221,10 +221,9 @@ def search(policy: Policy, current: dict[str, Any], resolved: dict[str, Any], sh
     model = refitted_model(steps, int(resolved.get("block_size") or 16), profile, dtype)
     workload = live_workload(shape)
     rate = max(0.05, shape.arrival_rate * retune.headroom)
-    slo = policy.slo
-    drain = judging_drain(slo, longest_output(shape))
+    drain = judging_drain(policy.slo, longest_output(shape))
     sim = SimTrialRunner(model, limits=limits_of(model, admin_config), workload=workload, rate=rate,
-                         duration=retune.sim_duration, warmup=3.0, slo=slo, seed=seed, base_knobs=dict(current),
+                         duration=retune.sim_duration, warmup=3.0, slo=policy.slo, seed=seed, base_knobs=dict(current),
                          backlog=backlog, drain_timeout=drain)
     info: dict[str, Any] = {"workload": {**workload.as_dict(), "rate": round(rate, 4), "backlog": backlog,
                                          "drain_s": drain},

@@ -19,6 +19,7 @@ from typing import Any
 
 from engine import metric_names as names
 from policies import Policy
+from slotune.slo import SLO
 from tuner.control.canary import plan_switchback
 from tuner.control.canary_run import CanaryRun, Ending, roll_back_open
 from tuner.control.candidates import Prediction, Search, search
@@ -75,9 +76,13 @@ class Controller:
         self.attainment_clock = LookClock(t.window)
         self.last_observation = 0.0
         self.source_down = False
-        self.slo = self.policy.slo
         self.pending_proposal: dict[str, Any] | None = None
         self.engine_dtype: str | None = None  # fixed for an engine's life: asked once, at the first retune
+
+    @property
+    def slo(self) -> SLO:
+        """The policy's whole SLO: what every window and canary is judged against."""
+        return self.policy.slo
 
     # ---------------------------------------------------------------------------------------------- running
     def run(self, stop: Callable[[], bool] = lambda: False, proposal: dict[str, Any] | None = None) -> None:
