@@ -133,13 +133,17 @@ class Design:
         self.base = {k.name: k.default for k in KNOBS} | dict(self.runner.base_knobs or {})
         return self
 
-    def measure(self, name: str, knobs: dict[str, Any], like: dict[str, Any] | None = None) -> dict[str, Any]:
-        """``knobs``' capacity searched on the design's draws (from ``like``'s first rate and step: a repeat)."""
+    def measure(self, name: str, knobs: dict[str, Any], like: dict[str, Any] | None = None, draw: int = DESIGN_DRAW,
+                first: tuple[float, float] | None = None) -> dict[str, Any]:
+        """``knobs``' capacity searched on the arrival draws from ``draw`` (the design's unless told), from ``like``'s
+        first rate and step (a repeat) or from ``first`` (rate, step); else from the nearest config searched."""
         folder = self.folder / "configs" / f"{len(self.rows):02d}-{name.split(' ')[0].replace(':', '-')}"
         shutil.rmtree(folder, ignore_errors=True)
         t0 = time.monotonic()
-        start = {"start": like["capacity"]["start"], "step": like["capacity"]["step"]} if like else {}
-        cap = self.searcher.search(knobs, folder, draw=DESIGN_DRAW, **start)
+        if like is not None:
+            first = (like["capacity"]["start"], like["capacity"]["step"])
+        cap = self.searcher.search(knobs, folder, draw=draw, start=first[0] if first else None,
+                                   step=first[1] if first else None)
         full = {**self.base, **knobs}
         row = {"name": name, "knobs": full, "capacity": cap.as_dict(), "req_per_s": cap.value,
                "bracket": cap.bracket, "seconds": time.monotonic() - t0, "folder": str(folder.relative_to(self.folder)),

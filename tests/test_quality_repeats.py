@@ -1,0 +1,55 @@
+"""The replicated searches of the quality benchmark: each config is judged against the reference on the same rounds'
+draws, an answer whose every round falls well short is shown short, one that tracks the reference is shown within
+95 %, and one search's luck in one round leaves the verdict undecided rather than deciding it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from tune_quality_repeats import SHARE, chosen, paired, round_order, summary  # noqa: E402
+
+
+def rows(values: dict[str, list[float]]) -> list[dict]:
+    return [{"name": n, "round": r, "req_per_s": v, "knobs": {"max_num_seqs": i + 1}}
+            for i, (n, vs) in enumerate(values.items()) for r, v in enumerate(vs)]
+
+
+def test_an_answer_short_in_every_round_is_shown_short_and_one_alike_is_shown_within() -> None:
+    out = summary(rows({"best": [10.0, 8.0, 12.0], "short": [5.0, 4.2, 6.1], "alike": [9.9, 8.1, 11.8]}), "best")
+    verdicts = {a["name"]: a for a in out["against_reference"]}
+    assert verdicts["short"]["verdict"] == "missed"
+    assert verdicts["short"]["ratio"] == pytest.approx(0.5, rel=0.05)
+    assert verdicts["alike"]["verdict"] == "met"  # paired by round: the rounds' common swing cancels
+    assert out["best_median"] == "best"
+
+
+def test_one_lucky_round_leaves_the_verdict_undecided() -> None:
+    # the answer matched the best in two rounds and fell to half in one: three searches cannot decide 95 %
+    got = paired([10.0, 8.0, 6.0], [10.0, 8.0, 12.0])
+    assert got["verdict"] == "undecided"
+    assert got["interval"][0] < SHARE < got["interval"][1]
+
+
+def test_a_round_that_served_nothing_gives_no_interval() -> None:
+    got = paired([0.0, 8.0, 9.0], [10.0, 8.0, 12.0])
+    assert got["ratio"] is None and got["verdict"] == "undecided"
+
+
+def test_one_searchs_spread_is_the_pooled_spread_over_the_rounds() -> None:
+    out = summary(rows({"a": [4.0, 8.0, 4.0], "b": [4.0, 8.0, 4.0], "c": [2.0, 4.0, 2.0]}), "a")
+    assert out["one_search_factor_95"] > 2  # a factor-two swing between rounds is a wide single search
+    assert summary(rows({"a": [4.0] * 3, "b": [5.0] * 3}), "a")["one_search_factor_95"] == pytest.approx(1.0)
+
+
+def test_the_order_alternates_and_each_config_is_chosen_once() -> None:
+    assert round_order(3, 0) == [0, 1, 2] and round_order(3, 1) == [2, 1, 0]
+    source = {"rows": [{"name": "fill-1", "req_per_s": 9.0, "knobs": {"max_num_seqs": 3}},
+                       {"name": "top-1", "req_per_s": 9.0, "knobs": {"max_num_seqs": 3}},
+                       {"name": "fill-2", "req_per_s": 5.0, "knobs": {"max_num_seqs": 7}},
+                       {"name": "default-again", "req_per_s": 99.0, "knobs": {"max_num_seqs": 64}}]}
+    assert [n for n, _ in chosen(source, 2, [])] == ["fill-1", "fill-2"]
