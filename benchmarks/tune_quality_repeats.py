@@ -18,8 +18,9 @@ best once one search's luck is averaged out?
         pair of rounds); and each config against two references: the source design's best (chosen on other draws, so
         its repeats are not selected for luck) and the best median here (selected on these searches: its repeats lean
         high, and every ratio to it leans low). Against each: the per-round ratio on the same draws, their geometric
-        mean and a t interval at LEVEL over the rounds (log ratios), and "met" (the interval above SHARE), "missed"
-        (below) or "undecided".
+        mean and a t interval at LEVEL over the rounds (log ratios); and "met", "missed" or "undecided" on SHARE from
+        the same t intervals taken over each round's least and largest ratio its brackets allow (a searched capacity
+        is known only to its bracket, 15 % wide: three searches alike do not show a 5 % gap closed).
     python benchmarks/tune_quality_repeats.py --simulated repeats --source ... --out /tmp/r.json
         The same with the simulator standing in for the engine, on development draws (a check of the script only).
 
@@ -73,7 +74,10 @@ def chosen(source: dict[str, Any], leaders: int, includes: list[Path]) -> list[t
         knobs = yaml.safe_load(path.read_text())["tuned"]["knobs"]
         name = f"tuned:{path.parent.name}"
         key = config_key(knobs)
-        out[key] = (f"{out[key][0]} = {name}", out[key][1]) if key in out else (name, knobs)
+        if key not in out:
+            out[key] = (name, knobs)
+        elif name not in out[key][0].split(" = "):
+            out[key] = (f"{out[key][0]} = {name}", out[key][1])
     return list(out.values())
 
 
@@ -97,25 +101,34 @@ def round_order(n: int, r: int) -> list[int]:
     return list(range(n)) if r % 2 == 0 else list(range(n - 1, -1, -1))
 
 
-def paired(values: list[float], reference: list[float]) -> dict[str, Any]:
-    """``values`` over ``reference`` round by round (the same draws): the ratios, their geometric mean, a t interval
-    at LEVEL on the log ratios over the rounds, and the verdict on SHARE."""
-    ratios = [v / b if b > 0 else math.nan for v, b in zip(values, reference)]
-    out: dict[str, Any] = {"ratios": ratios}
-    if any(not math.isfinite(x) or x <= 0 for x in ratios):  # a search that served nothing: no log ratio
-        out.update(ratio=None, interval=None, verdict="undecided",
-                   why="a round's search served nothing: the ratios alone, no interval")
-        return out
-    logs = np.log(ratios)
-    mean = float(np.mean(logs))
-    out["ratio"] = math.exp(mean)
-    if len(logs) < 2:
-        out.update(interval=None, verdict="undecided", why="one round")
-        return out
-    sd = float(np.std(logs, ddof=1))
+def t_interval(logs: list[float]) -> tuple[float, float]:
+    """A t interval at LEVEL for the mean of ``logs`` (two or more), as (low, high) on the log scale."""
+    mean, sd = float(np.mean(logs)), float(np.std(logs, ddof=1))
     half = float(stats.t.ppf(0.5 + LEVEL / 2, len(logs) - 1)) * sd / math.sqrt(len(logs))
-    low, high = math.exp(mean - half), math.exp(mean + half)
-    out["interval"] = [low, high]
+    return mean - half, mean + half
+
+
+def paired(mine: list[dict[str, Any]], reference: list[dict[str, Any]]) -> dict[str, Any]:
+    """``mine``'s searches over ``reference``'s round by round (the same draws): the ratios of the searched
+    capacities, their geometric mean and a t interval at LEVEL over the rounds; and the verdict on SHARE, which also
+    allows for the searches' resolution (a searched capacity is only known to lie in its bracket): "met" needs the t
+    interval of each round's least ratio (mine's served rate over the reference's missed rate) above SHARE, "missed"
+    that of each round's largest ratio (mine's missed rate over the reference's served rate) below it."""
+    ratios = [m["req_per_s"] / r["req_per_s"] if r["req_per_s"] > 0 else math.nan for m, r in zip(mine, reference)]
+    out: dict[str, Any] = {"ratios": ratios, "ratio": None, "interval": None, "allowed": None}
+    if any(not math.isfinite(x) or x <= 0 for x in ratios):  # a search that served nothing: no log ratio
+        out.update(verdict="undecided", why="a round's search served nothing: the ratios alone, no interval")
+        return out
+    out["ratio"] = math.exp(float(np.mean(np.log(ratios))))
+    if len(ratios) < 2:
+        out.update(verdict="undecided", why="one round")
+        return out
+    out["interval"] = [math.exp(x) for x in t_interval(list(np.log(ratios)))]
+    least = [m["req_per_s"] / r["bracket"][1] if r["bracket"][1] else 0.0 for m, r in zip(mine, reference)]
+    most = [m["bracket"][1] / r["req_per_s"] if m["bracket"][1] else math.inf for m, r in zip(mine, reference)]
+    low = math.exp(t_interval(list(np.log(least)))[0]) if min(least) > 0 else 0.0
+    high = math.exp(t_interval(list(np.log(most)))[1]) if max(most) < math.inf else math.inf
+    out["allowed"] = [low, high if math.isfinite(high) else None]
     out["verdict"] = "met" if low >= SHARE else "missed" if high < SHARE else "undecided"
     return out
 
@@ -125,8 +138,9 @@ def summary(rows: list[dict[str, Any]], reference_name: str | None) -> dict[str,
     config against the named reference (the source design's best) and against the best median here."""
     names = list(dict.fromkeys(r["name"] for r in rows))
     rounds = sorted({r["round"] for r in rows})
-    value = {(r["name"], r["round"]): r["req_per_s"] for r in rows}
-    by = {n: [value[(n, k)] for k in rounds if (n, k) in value] for n in names}
+    search = {(r["name"], r["round"]): r for r in rows}
+    searches = {n: [search[(n, k)] for k in rounds if (n, k) in search] for n in names}
+    by = {n: [r["req_per_s"] for r in searches[n]] for n in names}
     complete = [n for n in names if len(by[n]) == len(rounds)]
     configs = []
     for n in names:
@@ -150,7 +164,7 @@ def summary(rows: list[dict[str, Any]], reference_name: str | None) -> dict[str,
     for label, ref in (("against_reference", reference_name), ("against_best_median", best)):
         if ref is None or ref not in complete:
             continue
-        out[label] = [{"name": n, **paired(by[n], by[ref])} for n in complete if n != ref]
+        out[label] = [{"name": n, **paired(searches[n], searches[ref])} for n in complete if n != ref]
     return out
 
 
@@ -173,18 +187,25 @@ def run_repeats(out: Path, policy: Any, configs: list[tuple[str, dict[str, Any]]
     return {"rows": d.rows, "engine_seconds": time.monotonic() - t0}
 
 
+def allowed(against: dict[str, Any] | None) -> str:
+    if against is None or against["allowed"] is None:
+        return "-"
+    low, high = against["allowed"]
+    return f"{low:.2f}-{'?' if high is None else f'{high:.2f}'}"
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The configs' searched capacities over the rounds and their ratios to the reference, for BENCHMARKS.md."""
     against = {a["name"]: a for a in result.get("against_reference", [])}
-    lines = ["| config | knobs | searched req/s by round | median | over the reference (95 % t interval) | verdict |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| config | knobs | searched req/s by round | median | over the reference (95 % t interval) | "
+             "allowed by the brackets | verdict |", "|---|---|---|---|---|---|---|"]
     knobs = {r["name"]: r["knobs"] for r in result["rows"]}
     for c in result["configs"]:
         a = against.get(c["name"])
         ratio = "reference" if a is None else (f"{a['ratio']:.2f}" if a["ratio"] is not None else "-") + (
             f" ({a['interval'][0]:.2f}-{a['interval'][1]:.2f})" if a and a.get("interval") else "")
         lines.append(f"| {c['name']} | {short(knobs[c['name']])} | {', '.join(f'{v:.3g}' for v in c['req_per_s'])} | "
-                     f"{c['median']:.3g} | {ratio} | {a['verdict'] if a else '-'} |")
+                     f"{c['median']:.3g} | {ratio} | {allowed(a)} | {a['verdict'] if a else '-'} |")
     return "\n".join(lines)
 
 

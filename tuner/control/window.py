@@ -67,12 +67,17 @@ def bucket_at(scrape: Scrape, histogram: str, target: float) -> tuple[float, flo
     return buckets[bound], bound
 
 
+def target_histograms(slo: SLO) -> dict[str, tuple[str, float | None]]:
+    """Each SLO target's name: the engine histogram it is read from and its value (None: not set)."""
+    return {"TBT": (names.REQUEST_ITL_P99, slo.tbt_p99), "TTFT": (names.TTFT, slo.ttft_p99),
+            "E2E": (names.E2E, slo.e2e_p99)}
+
+
 def off_bucket_targets(scrape: Scrape, slo: SLO) -> list[str]:
     """A sentence for each SLO target that is not a bucket bound of the engine's histogram it is read from: it is
     read at the bound below, so requests between the two count as missing and attainment reads low."""
     notes = []
-    for name, histogram, target in (("TBT", names.REQUEST_ITL_P99, slo.tbt_p99), ("TTFT", names.TTFT, slo.ttft_p99),
-                                    ("E2E", names.E2E, slo.e2e_p99)):
+    for name, (histogram, target) in target_histograms(slo).items():
         if target is None:
             continue
         _, bound = bucket_at(scrape, histogram, target)
@@ -234,17 +239,21 @@ def window(before: Scrape, after: Scrape, slo: SLO) -> WindowStats:
             raise CounterReset(f"{what} went down from {value_before:g} to {value_after:g}: the engine restarted")
         return max(0.0, d)
 
-    assert slo.tbt_p99 is not None
-    ok_after, bound = bucket_at(after, names.REQUEST_ITL_P99, slo.tbt_p99)
-    ok_before, _ = bucket_at(before, names.REQUEST_ITL_P99, slo.tbt_p99)
+    targets = target_histograms(slo)
+    tbt_histogram, tbt = targets["TBT"]
+    assert tbt is not None
+    ok_after, bound = bucket_at(after, tbt_histogram, tbt)
+    ok_before, _ = bucket_at(before, tbt_histogram, tbt)
     attaining = delta(ok_after, ok_before, "the TBT-attaining count")
     reasons = after.labelled(names.total(names.REQUEST_SUCCESS), "finished_reason")
     reasons_before = before.labelled(names.total(names.REQUEST_SUCCESS), "finished_reason")
     finished = sum(delta(v, reasons_before.get(k, 0.0), f"finished requests ({k})") for k, v in reasons.items())
     missed_tbt = finished - attaining
 
-    def misses(histogram: str, target: float | None, what: str) -> float:
-        """The observations of ``histogram`` in the window above ``target`` (0 without a target)."""
+    def misses(what: str) -> float:
+        """The observations of ``what``'s histogram in the window above its target (0 without a target). The TBT
+        target is read otherwise above: finished less the bucket, so that an aborted request counts as missed."""
+        histogram, target = targets[what]
         if target is None:
             return 0.0
         ok = delta(bucket_at(after, histogram, target)[0], bucket_at(before, histogram, target)[0],
@@ -252,8 +261,8 @@ def window(before: Scrape, after: Scrape, slo: SLO) -> WindowStats:
         return delta(after.get(names.hist_count(histogram)), before.get(names.hist_count(histogram)),
                      f"the {what} observations") - ok
 
-    missed_ttft = misses(names.TTFT, slo.ttft_p99, "TTFT")
-    missed_e2e = misses(names.E2E, slo.e2e_p99, "E2E")  # of the requests that finished on stop or length
+    missed_ttft = misses("TTFT")
+    missed_e2e = misses("E2E")  # of the requests that finished on stop or length
     attaining = min(attaining, finished - missed_ttft, finished - missed_e2e)
     # A request may finish between the two histogram reads of one scrape: never more attaining than finished.
     finished_n = round(finished)
