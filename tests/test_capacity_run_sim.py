@@ -98,6 +98,8 @@ def test_the_capacity_flow_on_the_simulator_claims_only_what_long_runs_confirm(
     rc, out, flow = applied_flow.rc, applied_flow.out, applied_flow.folder
     assert rc == 0, out + applied_flow.err
     assert "floor: batch-1 p99 TBT" in out and "screened" in out
+    # the prompts meet the 2 s TTFT target one at a time: no target is named as binding, the search goes on
+    assert "binds" not in out + applied_flow.err
     # the screen's design is the run's, recorded
     assert "screening 6 configs of a Latin hypercube over the 1200 combinations (design seed 0, kept in the study)" \
         in out, out
@@ -211,9 +213,7 @@ def test_a_ttft_target_the_prompts_miss_even_one_at_a_time_stops_before_searchin
     assert nearest["slo"]["ttft_p99"] == int(found.group(1)) / 1000 > floor["one_at_a_time"]["ttft"]["value"]
     assert nearest["slo"]["tbt_p99"] == 1.0 and nearest["asked"]["ttft_p99"] == 0.001
     assert math.isclose(nearest["capacity"]["req_per_s"], float(found.group(2)), rel_tol=0.01) and nearest["capacity"]["req_per_s"] > 0
-    # the same targets that one request at a time meets: the search goes on
-    rc, out, err = run_on_the_simulator(tmp_path / "loose", 1.0, ttft=10.0)
-    assert "error" not in err and "binds" not in out
+    # (targets that one request at a time meets let the search go on: the applied flow's test says so)
 
 
 def test_a_low_rate_is_measured_by_its_requests_and_can_be_shown_served(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ def runner_on(engine: ManagedEngine | RestartedEngine, server_warmup: float = 0.
                        server_warmup=server_warmup)
 
 
+@pytest.mark.slow  # about 50 s: three model loads (the live engine, the server's defaults, the config's server)
 def test_the_restart_path_measures_a_config_as_the_live_path_does_on_the_same_draws(tmp_path: Path) -> None:
     live = ManagedEngine(log_path=str(tmp_path / "live.log"))
     live.start()
