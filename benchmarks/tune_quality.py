@@ -20,7 +20,8 @@ simulator's error on it, and what each knob brings.
         times rescaled to the default's steps (what the screen ranks by) and to all the design's steps; the capacity
         error |predicted / measured - 1| (median and 90th percentile) and the Spearman rank correlation, each with a
         bootstrap interval over the configs; each included answer's capacity over the best's; what each knob brings.
-    (tune's answers are set against a design's best by benchmarks/quality_answers.py.)
+    (tune's answers are set against a design's best by benchmarks/quality_answers.py; a design's leading configs and
+    the answers are searched several times each by benchmarks/tune_quality_repeats.py.)
     python benchmarks/tune_quality.py --simulated design --out /tmp/q.json
         The same with the simulator standing in for the engine (a check of the script, not evidence).
 
