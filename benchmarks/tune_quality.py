@@ -176,10 +176,16 @@ def short(knobs: dict[str, Any]) -> str:
     return short_knobs(knobs, ["max_num_seqs", "max_num_batched_tokens", "chunk_size", "block_size"])
 
 
-def run_design(out: Path, policy: Policy, includes: list[Path], simulated: bool) -> dict[str, Any]:
+def fresh_folder(out: Path) -> Path:
+    """The run's folder beside its JSON (``out`` without its suffix), emptied of an earlier run's files."""
     folder = out.with_suffix("")
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
+    return folder
+
+
+def run_design(out: Path, policy: Policy, includes: list[Path], simulated: bool) -> dict[str, Any]:
+    folder = fresh_folder(out)
     d = Design(policy, folder, simulated)
     t0 = time.monotonic()
     try:

@@ -20,7 +20,7 @@ best once one search's luck is averaged out?
         high, and every ratio to it leans low). Against each: the per-round ratio on the same draws, their geometric
         mean and a t interval at LEVEL over the rounds (log ratios); and "met", "missed" or "undecided" on SHARE from
         the same t intervals taken over each round's least and largest ratio its brackets allow (a searched capacity
-        is known only to its bracket, 15 % wide: three searches alike do not show a 5 % gap closed).
+        is known only to its bracket, 10-15 % wide: three searches alike do not show a 5 % gap closed).
     python benchmarks/tune_quality_repeats.py --simulated repeats --source ... --out /tmp/r.json
         The same with the simulator standing in for the engine, on development draws (a check of the script only).
 
@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -46,7 +45,8 @@ from scipy import stats
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tune_quality import Design, short, workload_policy  # noqa: E402  (a sibling script)
+from quality_answers import LEVEL, SHARE  # noqa: E402  (sibling scripts)
+from tune_quality import Design, fresh_folder, short, workload_policy  # noqa: E402
 
 from engine.cpu_info import cpu_name  # noqa: E402
 from tuner.search.design import config_key  # noqa: E402
@@ -57,8 +57,6 @@ REPEAT_DRAW = 2000  # round r on draws from REPEAT_DRAW + ROUND_DRAWS r (tune <1
 ROUND_DRAWS = 10  # a search takes at most the policy's probes (6) draws
 DEV_DRAW = 9000  # the simulated check's draws (never the evaluation's)
 STEP = 1.5  # every search's step from the common start
-SHARE = 0.95  # an answer is good enough at this share of the best's capacity
-LEVEL = 0.95
 
 
 def chosen(source: dict[str, Any], leaders: int, includes: list[Path]) -> list[tuple[str, dict[str, Any]]]:
@@ -170,10 +168,7 @@ def summary(rows: list[dict[str, Any]], reference_name: str | None) -> dict[str,
 
 def run_repeats(out: Path, policy: Any, configs: list[tuple[str, dict[str, Any]]], repeats: int, start: float,
                 draw: int, simulated: bool) -> dict[str, Any]:
-    folder = out.with_suffix("")
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    d = Design(policy, folder, simulated)
+    d = Design(policy, fresh_folder(out), simulated)
     t0 = time.monotonic()
     try:
         d.open()
